@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install shardpoint with its test and demo extras.
+# torch is pinned by constraints.txt to the CPU build; the library itself asks torch>=2.6.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.shardpoint-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,demo]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, shardpoint" && touch "$stamp"
+fi

@@ -1,0 +1,50 @@
+"""shardpoint: checkpoints for model-parallel PyTorch training.
+
+Save at one tensor/pipeline/data-parallel layout, resume at another; never lose the
+latest checkpoint to a crash mid-save; detect damaged files; never run code from a
+checkpoint. See ``Checkpointer`` to start.
+"""
+
+from shardpoint._version import __version__
+from shardpoint.checkpointer import Checkpointer, LoadResult
+from shardpoint.errors import (
+    CheckpointError,
+    ConfigMismatchError,
+    CorruptCheckpointError,
+    MissingKeysError,
+    StorageError,
+    TopologyMismatchError,
+    UnsafeCheckpointError,
+    ValidationError,
+)
+from shardpoint.policy import BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN
+from shardpoint.sharding import Shard, column_parallel, divide, row_parallel, shard_along, vocab_parallel
+from shardpoint.state import TrainState
+from shardpoint.topology import Topology
+
+__all__ = [
+    "BestN",
+    "CheckpointError",
+    "Checkpointer",
+    "ConfigMismatchError",
+    "CorruptCheckpointError",
+    "EveryNMinutes",
+    "EveryNSteps",
+    "KeepEvery",
+    "LatestN",
+    "LoadResult",
+    "MissingKeysError",
+    "Shard",
+    "StorageError",
+    "Topology",
+    "TopologyMismatchError",
+    "TrainState",
+    "UnsafeCheckpointError",
+    "ValidationError",
+    "__version__",
+    "column_parallel",
+    "divide",
+    "row_parallel",
+    "shard_along",
+    "vocab_parallel",
+]

@@ -1,0 +1,93 @@
+"""Collectives that also work with no process group (a single process).
+
+The central rule (DCP's, and ours): a failure on one rank reaches every rank as an
+exception, never as a hang. :func:`agree` runs a step on every rank, then exchanges
+the outcomes, so every rank raises when any rank failed.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from shardpoint.errors import CheckpointError
+
+T = TypeVar("T")
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if initialized() else 1
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    if not initialized() or world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather(obj: Any) -> list[Any]:
+    if not initialized() or world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_to(obj: Any, dst: int, group: Any = None) -> list[Any] | None:
+    """Gather to global rank ``dst`` over ``group`` (None: the world or no group)."""
+    if not initialized() or (group is None and world_size() == 1):
+        return [obj]
+    size = dist.get_world_size(group)
+    out = [None] * size if rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def barrier() -> None:
+    if initialized() and world_size() > 1:
+        dist.barrier()
+
+
+def agree(step: Callable[[], T], what: str) -> T:
+    """Run ``step`` on every rank; if it failed anywhere, raise on every rank.
+
+    The rank that failed re-raises its own exception (a CheckpointError keeps its
+    type and message); the others raise a CheckpointError naming the failed ranks
+    and their first error line.
+    """
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = step()
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+        error = exc
+    summary = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes = all_gather(summary)
+    if error is not None:
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(f"{what} failed on rank {rank()}: {summary}\n{_short_tb(error)}") from error
+    failed = {r: s for r, s in enumerate(outcomes) if s is not None}
+    if failed:
+        first_rank, first = next(iter(failed.items()))
+        raise CheckpointError(
+            f"{what} failed on rank(s) {sorted(failed)}; rank {first_rank}: {first}".rstrip()
+        )
+    return result
+
+
+def _short_tb(error: BaseException) -> str:
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-3))

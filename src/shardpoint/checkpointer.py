@@ -1,0 +1,410 @@
+"""The Checkpointer: sequences policy, format, integrity and the commit protocol.
+
+A save, on every rank (see :mod:`shardpoint.commit` for why this order is safe)::
+
+    collect state -> rank 0 creates a temporary directory -> every rank writes its
+    files -> every rank checksums its files -> rank 0 writes shardpoint.json and
+    renames the directory into place -> rank 0 replaces the tracker -> retention
+
+A load: rank 0 picks the checkpoint (tracker, or ``iteration=N``) and reads its
+marker, everyone receives that one answer, checks config and integrity, and the
+format fills the live tensors in place.
+
+Each step that can fail locally runs under :func:`shardpoint._comm.agree`, so a
+failure on one rank is raised on all ranks instead of leaving the others waiting in
+a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardpoint import _comm, commit, faults
+from shardpoint._version import __version__
+from shardpoint.errors import CheckpointError, ConfigMismatchError, CorruptCheckpointError, MissingKeysError, StorageError
+from shardpoint.formats import FormatContext, get_format
+from shardpoint.integrity import record_file, verify_files
+from shardpoint.layout import Layout, get_layout
+from shardpoint.metadata import CheckpointMetadata
+from shardpoint.policy import (
+    AnySaveDecision,
+    BestN,
+    CheckpointInfo,
+    EveryNMinutes,
+    EveryNSteps,
+    KeepEvery,
+    LatestN,
+    PreservationPolicy,
+    select_for_deletion,
+)
+from shardpoint.state import FlatState, TrainState, collect, load_optimizer_shards, restore
+from shardpoint.storage import describe_os_error, open_storage
+from shardpoint.topology import Topology
+
+__all__ = ["Checkpointer", "LoadResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    """What :meth:`Checkpointer.load` loaded.
+
+    Attributes:
+        iteration: the iteration to resume from (0 in finetune mode).
+        release: the checkpoint was a release checkpoint.
+        path: its directory.
+        finetune: optimizer and RNG were not loaded and the iteration restarts at 0.
+        extra: the ``TrainState.extra`` saved with it (e.g. ``consumed_samples``).
+        metadata: the parsed ``shardpoint.json``.
+    """
+
+    iteration: int
+    release: bool
+    path: str
+    finetune: bool
+    extra: dict[str, Any]
+    metadata: CheckpointMetadata
+
+
+class Checkpointer:
+    """Save and load model-parallel training state with Megatron's semantics.
+
+    Args:
+        path: the save directory (a local path).
+        topology: this process's place in the tp × pp × dp layout (default: all 1).
+        format: ``"dist"`` (sharded, reshardable, default) or ``"torch"`` (Megatron legacy).
+        layout: ``"megatron"`` (``iter_0000100/``) or ``"neox"`` (``global_step100/``).
+        save_interval: ``maybe_save`` saves when ``iteration % save_interval == 0``.
+        save_interval_minutes: ``maybe_save`` also saves when this much time has passed;
+            rank 0's clock decides, so every rank saves at the same iteration.
+        keep_last: keep the newest N checkpoints (None keeps all).
+        keep_every: also keep every checkpoint whose iteration is a multiple of K.
+        keep_best: also keep the N best by a metric: ``(N, "val_loss", "min")``.
+        async_save: reserved for background saves (not available yet).
+        config: the model's defining arguments, stored as JSON and compared on load.
+        allow_config_mismatch: config keys that may differ between save and load.
+        verify: check file checksums on load (sizes are always checked).
+        thread_count: writer threads per rank for the ``dist`` format.
+
+    Example:
+        >>> ckpt = Checkpointer("runs/gpt", topology=topo, save_interval=100, keep_last=3)
+        >>> result = ckpt.load(state)            # None on a fresh start
+        >>> start = result.iteration if result else 0
+        >>> for it in range(start + 1, iters + 1):
+        ...     train_step()
+        ...     ckpt.maybe_save(it, state)
+        >>> ckpt.close()
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        topology: Topology | None = None,
+        format: str = "dist",
+        layout: str = "megatron",
+        save_interval: int | None = None,
+        save_interval_minutes: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: tuple[int, str, str] | None = None,
+        async_save: bool = False,
+        config: Mapping[str, Any] | None = None,
+        allow_config_mismatch: Iterable[str] = (),
+        verify: bool = True,
+        thread_count: int = 1,
+    ):
+        if async_save:
+            raise ValueError("async_save=True is not available in this version; use async_save=False")
+        self.storage = open_storage(path)
+        self.root = self.storage.root
+        self.topology = topology or Topology(1, 1, _comm.world_size())
+        self.format = get_format(format)
+        self.layout: Layout = get_layout(layout)
+        decisions = [EveryNSteps(save_interval)] if save_interval else []
+        if save_interval_minutes:
+            decisions.append(EveryNMinutes(save_interval_minutes))
+        self._time_based = save_interval_minutes is not None
+        self.save_policy = AnySaveDecision(tuple(decisions))
+        self.preservation: list[PreservationPolicy] = [
+            p for p in (LatestN(keep_last) if keep_last else None, KeepEvery(keep_every) if keep_every else None,
+                        BestN(*keep_best) if keep_best else None) if p is not None
+        ]
+        self.config = dict(config or {})
+        self.allow_config_mismatch = set(allow_config_mismatch)
+        self.verify = verify
+        self.thread_count = thread_count
+        self.last_save_seconds = 0.0
+        self.total_save_seconds = 0.0
+        self.last_saved_iteration: int | None = None
+        self._last_save_time = time.time()
+        if _comm.rank() == 0 and self.storage.is_dir(self.root):
+            commit.clean_leftovers(self.storage, self.root)
+
+    # ----------------------------------------------------------------- saving
+    def maybe_save(self, iteration: int, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> bool:
+        """Save if the save policy says so at ``iteration``; returns whether it saved."""
+        decision = self.save_policy.should_save(iteration, time.time(), self._last_save_time)
+        if self._time_based:
+            decision = _comm.broadcast(decision)
+        if decision and iteration != self.last_saved_iteration:
+            self.save(iteration, state, metrics=metrics)
+            return True
+        return False
+
+    def save(self, iteration: int, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> str:
+        """Save now and commit; every rank calls this. Returns the checkpoint directory.
+
+        Raises:
+            StorageError: the disk is full, read-only or not writable; nothing
+                committed earlier is touched and the partial files are removed.
+            CheckpointError: any rank failed; raised on every rank.
+        """
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        flat = collect(state, iteration=iteration)
+        path = self._write(iteration, flat, metrics or {}, state.extra)
+        self.last_saved_iteration = iteration
+        return path
+
+    def save_release(self, state: TrainState, *, update_tracker: bool = True) -> str:
+        """Save model weights only into ``release/``; loading it enters finetune mode."""
+        flat = collect(state, iteration=0, include_optimizer=False, include_rng=False)
+        return self._write(None, flat, {}, state.extra, update_tracker=update_tracker)
+
+    def close(self) -> None:
+        """Finish pending work. Saves are synchronous in this version, so nothing is pending."""
+
+    def _write(self, iteration: int | None, flat: FlatState, metrics: Mapping[str, float],
+               extra: Mapping[str, Any], update_tracker: bool = True) -> str:
+        start = time.perf_counter()
+        rank = _comm.rank()
+        flat.common["config"] = self.config
+        name = self.layout.dir_name(iteration)
+        needed = _deduplicated_bytes(flat)
+        tmp = _comm.broadcast(_comm.agree(lambda: self._begin(name, needed) if rank == 0 else None,
+                                          "preparing the checkpoint directory"))
+        ctx = FormatContext(self.storage, tmp, self.topology, thread_count=self.thread_count,
+                            distributed_optimizer=flat.common.get("distributed_optimizer", False))
+        try:
+            records = _comm.agree(lambda: self._write_files(ctx, flat, needed), "writing checkpoint data")
+            all_records = _comm.gather_to(records, 0)
+            seconds = time.perf_counter() - start
+            meta = self._metadata(iteration, all_records, metrics, extra, seconds)
+            final = self.storage.join(self.root, name)
+            _comm.agree(lambda: self._commit(tmp, final, meta, update_tracker) if rank == 0 else None,
+                        "committing the checkpoint")
+        except BaseException:
+            if rank == 0:
+                self.storage.remove(tmp)
+            raise
+        if rank == 0:
+            self._apply_retention()
+        self._record_timing(start, meta, final)
+        return final
+
+    def _begin(self, name: str, needed: int) -> str:
+        free = self.storage.free_bytes(self.root)
+        if free is not None and needed > free:
+            raise StorageError(
+                f"not enough space to save {name} under {self.root}: about {needed / 1e9:.2f} GB needed, "
+                f"{free / 1e9:.2f} GB free; free space, lower keep_last, or save elsewhere"
+            )
+        return commit.begin(self.storage, self.root, name)
+
+    def _write_files(self, ctx: FormatContext, flat: FlatState, needed: int) -> dict[str, Any]:
+        rank = _comm.rank()
+        try:
+            faults.hit("before-data", rank)
+            files = self.format.save(ctx, flat)
+            faults.hit("mid-data", rank)
+            records = {f: record_file(self.storage, self.storage.join(ctx.directory, f)) for f in files}
+            faults.hit("after-data", rank)
+        except OSError as exc:
+            raise StorageError(describe_os_error(exc, ctx.directory, needed)) from exc
+        return records
+
+    def _metadata(self, iteration: int | None, all_records: Sequence[dict] | None, metrics: Mapping[str, float],
+                  extra: Mapping[str, Any], seconds: float) -> CheckpointMetadata:
+        files = {k: v for records in (all_records or []) for k, v in records.items()}
+        return CheckpointMetadata(
+            iteration=iteration or 0, format=self.format.name, topology=self.topology.describe(),
+            release=iteration is None, layout=self.layout.name, config=self.config, files=files,
+            consumed_samples=_optional_int(extra.get("consumed_samples")),
+            flops=_optional_float(extra.get("flops")), metrics={k: float(v) for k, v in metrics.items()},
+            wall_time=time.time(), save_seconds=seconds, library_version=__version__,
+        )
+
+    def _commit(self, tmp: str, final: str, meta: CheckpointMetadata, update_tracker: bool) -> None:
+        faults.hit("before-marker", 0)
+        commit.publish(self.storage, tmp, final, meta)
+        faults.hit("before-tracker", 0)
+        if update_tracker:
+            commit.write_tracker(self.storage, self.root, self.layout, None if meta.release else meta.iteration)
+
+    def _apply_retention(self) -> None:
+        """Delete checkpoints no preservation policy keeps; a failure here only warns."""
+        if not self.preservation:
+            return
+        try:
+            faults.hit("during-retention", 0)
+            entries = [e for e in commit.list_checkpoints(self.storage, self.root, self.layout)
+                       if e.committed and e.iteration is not None]
+            _, tracked = commit.read_tracker(self.storage, self.root, self.layout)
+            infos = [CheckpointInfo(e.iteration, e.meta.metrics) for e in entries]
+            for iteration in select_for_deletion(infos, self.preservation, {tracked} if tracked is not None else set()):
+                self.storage.remove(self.storage.join(self.root, self.layout.dir_name(iteration)))
+                log.info("retention removed %s", self.layout.dir_name(iteration))
+        except (OSError, CheckpointError) as exc:
+            log.warning("retention could not delete old checkpoints under %s: %s", self.root, exc)
+
+    def _record_timing(self, start: float, meta: CheckpointMetadata, final: str) -> None:
+        self.last_save_seconds = time.perf_counter() - start
+        self.total_save_seconds += self.last_save_seconds
+        self._last_save_time = time.time()
+        if _comm.rank() == 0:
+            gb = meta.total_bytes / 1e9
+            log.info("saved %s (%s format, %.3f GB) in %.2f s, %.2f GB/s", final, meta.format, gb,
+                     self.last_save_seconds, gb / max(self.last_save_seconds, 1e-9))
+
+    # ---------------------------------------------------------------- loading
+    def load(
+        self,
+        state: TrainState,
+        *,
+        iteration: int | None = None,
+        finetune: bool = False,
+        load_optimizer: bool = True,
+        load_rng: bool = True,
+        strict: bool = True,
+        verify: bool | None = None,
+        fallback: bool = False,
+    ) -> LoadResult | None:
+        """Load the latest checkpoint (or ``iteration``) into ``state``; None when there is none.
+
+        Every rank calls this. A release checkpoint, or ``finetune=True``, loads no
+        optimizer, scheduler or RNG and resumes at iteration 0.
+
+        Raises:
+            ConfigMismatchError: the saved config differs (keys named in the message).
+            MissingKeysError: ``strict`` and the keys do not match.
+            CorruptCheckpointError: a file is missing, truncated or fails its checksum.
+            TopologyMismatchError: the checkpoint cannot be loaded at this layout.
+        """
+        verify = self.verify if verify is None else verify
+        rank = _comm.rank()
+        found = _comm.broadcast(_comm.agree(
+            lambda: self._resolve(iteration, verify and fallback) if rank == 0 else None, "finding the checkpoint"))
+        if found is None:
+            return None
+        path, meta_json = found
+        meta = CheckpointMetadata.from_json(meta_json, path)
+        self._check_config(meta, path)
+        finetune = finetune or meta.release
+        fmt = get_format(meta.format)
+        ctx = FormatContext(self.storage, path, self.topology, strict=strict)
+        if verify:
+            _comm.agree(lambda: _verify_share(self.storage, path, meta, fmt.files_to_read(ctx, meta)),
+                        "verifying checksums")
+        flat = collect(state, iteration=meta.iteration, include_optimizer=load_optimizer and not finetune,
+                       include_rng=False, init_optimizer=True)
+        loaded = fmt.load(ctx, flat, meta)
+        if strict and (loaded.missing or loaded.unexpected):
+            raise MissingKeysError(path, loaded.missing, loaded.unexpected)
+        if state.optimizer is not None and load_optimizer and not finetune:
+            load_optimizer_shards(state.optimizer, flat.tensors)
+        common = loaded.common if not finetune else {}
+        restore(state, common, loaded.per_rank if load_rng and not finetune else None)
+        log.info("loaded %s (iteration %d%s)", path, meta.iteration, ", finetune" if finetune else "")
+        return LoadResult(0 if finetune else meta.iteration, meta.release, path, finetune,
+                          dict(loaded.common.get("extra", {})), meta)
+
+    def _resolve(self, iteration: int | None, fallback: bool) -> tuple[str, str] | None:
+        """Rank 0: the directory to load and its marker text, or None for a fresh start."""
+        if not self.storage.is_dir(self.root):
+            if self.storage.exists(self.root):
+                raise CheckpointError(f"{self.root} is a file, not a checkpoint directory; pass the save directory")
+            return None
+        layout = commit.detect_layout(self.storage, self.root, self.layout)
+        if iteration is None:
+            found, iteration = commit.read_tracker(self.storage, self.root, layout)
+            if not found:
+                return self._newest_without_tracker(layout)
+        path = self.storage.join(self.root, layout.dir_name(iteration))
+        if not self.storage.is_dir(path):
+            raise CorruptCheckpointError(
+                f"{path} does not exist, but it was asked for (tracker or iteration=); "
+                f"choose one of: {self._committed_names(layout) or 'none'}"
+            )
+        meta = commit.read_marker(self.storage, path)
+        if fallback:
+            return self._first_intact(layout, path, meta)
+        return path, meta.to_json()
+
+    def _newest_without_tracker(self, layout: Layout) -> tuple[str, str] | None:
+        entries = [e for e in commit.list_checkpoints(self.storage, self.root, layout) if e.committed]
+        if not entries:
+            return None
+        newest = entries[-1]
+        log.warning("no tracker file under %s; loading the newest committed checkpoint %s", self.root, newest.name)
+        return newest.path, newest.meta.to_json()
+
+    def _first_intact(self, layout: Layout, path: str, meta: CheckpointMetadata) -> tuple[str, str]:
+        candidates = [(path, meta)] + [
+            (e.path, e.meta) for e in reversed(commit.list_checkpoints(self.storage, self.root, layout))
+            if e.committed and e.path != path and (meta.release or (e.iteration or 0) < meta.iteration)
+        ]
+        for candidate, candidate_meta in candidates:
+            problems = verify_files(self.storage, candidate, candidate_meta)
+            if not problems:
+                return candidate, candidate_meta.to_json()
+            log.warning("skipping damaged checkpoint %s: %s", candidate, "; ".join(map(str, problems)))
+        raise CorruptCheckpointError(f"no checkpoint under {self.root} passes verification")
+
+    def _committed_names(self, layout: Layout) -> str:
+        return ", ".join(e.name for e in commit.list_checkpoints(self.storage, self.root, layout) if e.committed)
+
+    def _check_config(self, meta: CheckpointMetadata, path: str) -> None:
+        differences = {
+            key: (meta.config.get(key), self.config.get(key))
+            for key in set(meta.config) | set(self.config)
+            if key not in self.allow_config_mismatch and meta.config.get(key) != self.config.get(key)
+        }
+        if differences and self.config:
+            raise ConfigMismatchError(path, differences)
+
+
+def _verify_share(storage: Any, path: str, meta: CheckpointMetadata, names: list[str]) -> None:
+    """Verify this rank's share of ``names`` (round-robin), raising on the first bad file."""
+    missing_record = [n for n in names if n not in meta.files]
+    if missing_record:
+        raise CorruptCheckpointError(f"{path}: {missing_record[0]} is not listed in shardpoint.json")
+    share = names[_comm.rank() :: _comm.world_size()] if len(names) >= _comm.world_size() else names
+    problems = verify_files(storage, path, meta, share)
+    if problems:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is damaged: " + "; ".join(map(str, problems))
+            + ". Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify` for a report"
+        )
+
+
+def _deduplicated_bytes(flat: FlatState) -> int:
+    """Bytes the whole job will write, each replicated box counted once (an estimate for the space check)."""
+    local = {(k, s.global_offset): s.tensor.numel() * s.tensor.element_size() for k, s in flat.tensors.items()}
+    merged: dict[tuple, int] = {}
+    for part in _comm.all_gather(local):
+        merged.update(part)
+    return sum(merged.values())
+
+
+def _optional_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _optional_float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -1,0 +1,149 @@
+"""The commit protocol: when a checkpoint starts to exist.
+
+A save goes through three states, and only the last one is ever loaded:
+
+1. **partial** — ranks write into ``.shardpoint-tmp-<name>-<token>/`` beside the
+   final directory. A crash here leaves a directory no reader looks at; the next
+   Checkpointer start removes it.
+2. **committed** — rank 0 writes ``shardpoint.json`` (the marker, listing every file
+   with size and checksum) into the temporary directory, fsyncs, and renames the
+   directory to its final name. A directory is a checkpoint if and only if it holds
+   a valid marker, so a reader never needs the rename to be atomic with the data.
+3. **latest** — only then is the tracker file replaced (temp file, fsync,
+   ``os.replace``, fsync of the directory). Killing any rank at any moment leaves
+   the tracker naming the previous committed checkpoint.
+
+Both a rename and a marker exist for the reason Orbax gives in ``atomicity.py``:
+the rename keeps half-written directories out of listings on filesystems, the
+marker is what object stores (which cannot rename) rely on.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.layout import LAYOUTS, RELEASE, Layout
+from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
+from shardpoint.storage import Storage
+
+__all__ = [
+    "CheckpointEntry",
+    "begin",
+    "clean_leftovers",
+    "detect_layout",
+    "list_checkpoints",
+    "publish",
+    "read_marker",
+    "read_tracker",
+    "write_tracker",
+]
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".shardpoint-tmp-"
+TRASH_PREFIX = ".shardpoint-trash-"
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """A directory found under the root: committed when it has a readable marker."""
+
+    name: str
+    path: str
+    iteration: int | None  # None: release
+    meta: CheckpointMetadata | None
+    problem: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.meta is not None
+
+
+def begin(storage: Storage, root: str, final_name: str) -> str:
+    """Create and return a fresh temporary directory for ``final_name`` (rank 0)."""
+    storage.makedirs(root)
+    tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(4)}")
+    storage.makedirs(tmp)
+    return tmp
+
+
+def publish(storage: Storage, tmp: str, final: str, meta: CheckpointMetadata) -> None:
+    """Write the marker into ``tmp`` and move it to ``final``: the checkpoint now exists."""
+    storage.write_atomic(storage.join(tmp, MARKER_NAME), meta.to_json().encode())
+    storage.publish_dir(tmp, final)
+
+
+def write_tracker(storage: Storage, root: str, layout: Layout, iteration: int | None) -> None:
+    """Point the tracker at ``iteration`` (None: release), atomically and durably."""
+    storage.write_atomic(storage.join(root, layout.tracker_name), layout.tracker_text(iteration).encode())
+
+
+def read_tracker(storage: Storage, root: str, layout: Layout) -> tuple[bool, int | None]:
+    """``(found, iteration)``; iteration None with found=True means release."""
+    path = storage.join(root, layout.tracker_name)
+    if not storage.exists(path):
+        return False, None
+    if storage.is_dir(path):
+        raise CorruptCheckpointError(f"tracker {path} is a directory; remove it or point load() at the right root")
+    data = storage.read_bytes(path)
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(
+            f"tracker file {path} is not text; write the iteration to load into it, or pass iteration=N"
+        ) from None
+    return True, layout.parse_tracker(text, path)
+
+
+def detect_layout(storage: Storage, root: str, preferred: Layout) -> Layout:
+    """The layout whose tracker exists under ``root``, ``preferred`` first."""
+    for layout in (preferred, *[v for v in LAYOUTS.values() if v != preferred]):
+        if storage.exists(storage.join(root, layout.tracker_name)):
+            return layout
+    names = storage.listdir(root)
+    for layout in (preferred, *[v for v in LAYOUTS.values() if v != preferred]):
+        if any(layout.parse_dir_name(n) is not None for n in names):
+            return layout
+    return preferred
+
+
+def read_marker(storage: Storage, directory: str) -> CheckpointMetadata:
+    """The parsed marker of ``directory``, or CorruptCheckpointError saying why not."""
+    path = storage.join(directory, MARKER_NAME)
+    if not storage.exists(path):
+        raise CorruptCheckpointError(
+            f"{directory} has no {MARKER_NAME}: it is not a committed checkpoint "
+            "(a save into it did not finish); load another iteration"
+        )
+    return CheckpointMetadata.from_json(storage.read_bytes(path), path)
+
+
+def list_checkpoints(storage: Storage, root: str, layout: Layout) -> list[CheckpointEntry]:
+    """Every iteration directory (and release) under ``root``, oldest first."""
+    entries = []
+    for name in storage.listdir(root):
+        iteration = layout.parse_dir_name(name)
+        if iteration is None and name != RELEASE:
+            continue
+        path = storage.join(root, name)
+        try:
+            meta, problem = read_marker(storage, path), None
+        except CorruptCheckpointError as exc:
+            meta, problem = None, str(exc)
+        entries.append(CheckpointEntry(name, path, iteration, meta, problem))
+    return sorted(entries, key=lambda e: (e.iteration is None, e.iteration or 0))
+
+
+def clean_leftovers(storage: Storage, root: str) -> list[str]:
+    """Remove temporary directories of saves that died (rank 0, at start-up)."""
+    removed = []
+    for name in storage.listdir(root):
+        if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            storage.remove(storage.join(root, name))
+            removed.append(name)
+    if removed:
+        log.warning("removed %d partial checkpoint(s) left by an interrupted save: %s", len(removed), removed)
+    return removed

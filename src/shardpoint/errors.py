@@ -1,0 +1,79 @@
+"""The exceptions shardpoint raises.
+
+Every error a user can cause (a wrong path, a damaged file, a mismatched config or
+layout) is a :class:`CheckpointError` subclass whose message names what is wrong,
+where, and how to fix it. Library code never calls ``sys.exit`` and never uses
+``assert`` for user errors, so training code can catch these and decide.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigMismatchError",
+    "CorruptCheckpointError",
+    "MissingKeysError",
+    "StorageError",
+    "TopologyMismatchError",
+    "UnsafeCheckpointError",
+    "ValidationError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error shardpoint raises on purpose."""
+
+
+class ConfigMismatchError(CheckpointError):
+    """The model config saved in the checkpoint differs from the current one."""
+
+    def __init__(self, path: str, differences: dict[str, tuple[object, object]]):
+        self.path = path
+        self.differences = differences
+        lines = [f"  {key}: saved={saved!r} current={current!r}" for key, (saved, current) in sorted(differences.items())]
+        super().__init__(
+            f"config of checkpoint {path} differs from the current config:\n"
+            + "\n".join(lines)
+            + "\nFix the model arguments, or pass allow_config_mismatch=[...] naming keys that may differ."
+        )
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is missing, truncated, or fails its checksum."""
+
+
+class TopologyMismatchError(CheckpointError):
+    """The checkpoint cannot be loaded at the current parallel layout."""
+
+
+class MissingKeysError(CheckpointError):
+    """``strict`` loading found keys missing from the checkpoint or unexpected in it."""
+
+    def __init__(self, path: str, missing: list[str], unexpected: list[str]):
+        self.path = path
+        self.missing = sorted(missing)
+        self.unexpected = sorted(unexpected)
+        parts = [f"checkpoint {path} does not match the state being loaded:"]
+        if self.missing:
+            parts.append(f"  missing from the checkpoint ({len(self.missing)}): {_preview(self.missing)}")
+        if self.unexpected:
+            parts.append(f"  in the checkpoint but not in the model ({len(self.unexpected)}): {_preview(self.unexpected)}")
+        parts.append("Pass strict=False to load the keys that match and skip the rest.")
+        super().__init__("\n".join(parts))
+
+
+class StorageError(CheckpointError):
+    """Reading or writing the storage failed (disk full, permission denied, ...)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file asks to run code or build objects that loading never allows."""
+
+
+class ValidationError(CheckpointError):
+    """Forward-pass validation after load found logits differing from the saved ones."""
+
+
+def _preview(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... (+{len(keys) - limit} more)" if len(keys) > limit else "")

@@ -1,0 +1,72 @@
+"""The interface between the Checkpointer and a storage format.
+
+Call order on a save (every rank calls ``save``; the Checkpointer commits):
+``save(ctx, flat)`` writes this rank's files into ``ctx.directory`` and returns their
+names. On a load every rank calls ``load(ctx, flat, meta)``, which fills
+``flat.tensors`` in place and returns the common and per-rank state it read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from shardpoint.metadata import CheckpointMetadata
+from shardpoint.state import FlatState
+from shardpoint.storage import Storage
+from shardpoint.topology import Topology
+
+__all__ = ["CheckpointFormat", "FormatContext", "Loaded", "write_torch_file"]
+
+
+@dataclass
+class FormatContext:
+    """What a format needs to know about the save or load in progress."""
+
+    storage: Storage
+    directory: str
+    topology: Topology
+    strict: bool = True
+    thread_count: int = 1
+    distributed_optimizer: bool = False
+
+
+@dataclass
+class Loaded:
+    """What a format read besides the tensors it filled in place.
+
+    ``per_rank`` is None when the per-rank state (RNG) could not be matched to
+    this rank, e.g. after a change of layout.
+    """
+
+    common: dict[str, Any]
+    per_rank: dict[str, Any] | None
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+class CheckpointFormat(Protocol):
+    name: str
+
+    def save(self, ctx: FormatContext, flat: FlatState) -> list[str]:
+        """Write this rank's part; return file names relative to ``ctx.directory``."""
+        ...
+
+    def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
+        """Fill ``flat.tensors`` in place and return the rest (every rank calls this)."""
+        ...
+
+    def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
+        """The files this rank reads on load, for checksum verification before reading."""
+        ...
+
+
+def write_torch_file(obj: Any, path: str) -> None:
+    """``torch.save`` then fsync: the commit marker may vouch for the file only once it is durable."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,206 @@
+"""The reshardable ``dist`` format, built on ``torch.distributed.checkpoint`` (DCP).
+
+Every rank writes its own shards in parallel; DCP deduplicates boxes that several
+ranks hold (data-parallel replicas) and spreads those writes over the replicas.
+Tensors are stored under global keys with their global shape, so any layout can
+load them, and plain ``dcp.load`` reads them with no shardpoint import.
+
+DCP's default planners only understand whole tensors, ``DTensor`` and the old
+``ShardedTensor``. :class:`ShardSavePlanner` / :class:`ShardLoadPlanner` teach them
+:class:`~shardpoint.sharding.Shard`: the write item of a shard is its box in the
+global tensor, and a load reads exactly the saved chunks that overlap this rank's
+boxes (not the whole checkpoint).
+
+Besides DCP's files: ``common.pt`` (state every rank shares: iteration, optimizer
+hyperparameters, scheduler, extra) written by rank 0, and ``rng/rank_NNNNN.pt`` per
+rank, restored only at the same layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from shardpoint import _comm
+from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
+from shardpoint.formats.base import FormatContext, Loaded, write_torch_file
+from shardpoint.metadata import CheckpointMetadata
+from shardpoint.safe_io import load_dcp_metadata, safe_torch_load
+from shardpoint.sharding import Shard
+from shardpoint.state import FlatState
+
+__all__ = ["DistFormat", "ShardLoadPlanner", "ShardSavePlanner"]
+
+log = logging.getLogger(__name__)
+
+COMMON_FILE = "common.pt"
+DCP_METADATA = ".metadata"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng/rank_{rank:05d}.pt"
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """Write each :class:`Shard` as its box of the global tensor."""
+
+    def __init__(self, shards: dict[str, Shard]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> SavePlan:
+        items = [_write_item(key, shard) for key, shard in self.shards.items()]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.shards[index.fqn].tensor
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """Read, for each :class:`Shard`, the saved chunks that overlap its box."""
+
+    def __init__(self, shards: dict[str, Shard], where: str):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        self.shards = shards
+        self.where = where
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # set by DCP before planning
+        requests = []
+        for key, shard in self.shards.items():
+            md = self.metadata.state_dict_metadata.get(key)
+            if md is None:
+                continue  # reported as missing by DistFormat before DCP runs
+            chunk = ChunkStorageMetadata(offsets=torch.Size(shard.global_offset), sizes=shard.tensor.shape)
+            requests += create_read_items_for_chunk_list(key, md, [chunk])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.shards[index.fqn].tensor
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise UnsafeCheckpointError(f"{self.where}: entry {read_item.dest_index.fqn!r} is a pickled object; refusing")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader, with ``.metadata`` unpickled by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = os.path.join(self.path, DCP_METADATA)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path} is missing; the dist checkpoint is incomplete") from None
+        metadata = load_dcp_metadata(data, path)
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{path} does not hold DCP metadata")
+        return metadata
+
+
+class DistFormat:
+    """``format="dist"``: sharded, deduplicated, reshardable on load."""
+
+    name = "dist"
+
+    def save(self, ctx: FormatContext, flat: FlatState) -> list[str]:
+        rank = _comm.rank()
+        directory = ctx.directory
+        os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+        writer = FileSystemWriter(directory, sync_files=True, thread_count=ctx.thread_count)
+        state_dict = {key: shard.tensor for key, shard in flat.tensors.items()}
+        dcp.save(state_dict, storage_writer=writer, planner=ShardSavePlanner(flat.tensors))
+        files = [n for n in os.listdir(directory) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+        if flat.per_rank:
+            write_torch_file(flat.per_rank, os.path.join(directory, rng_file(rank)))
+            files.append(rng_file(rank))
+        if rank == 0:
+            write_torch_file(flat.common, os.path.join(directory, COMMON_FILE))
+            files += [COMMON_FILE, DCP_METADATA]
+        return files
+
+    def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
+        return sorted(meta.files)
+
+    def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
+        reader = SafeFileSystemReader(ctx.directory)
+        metadata = reader.read_metadata()
+        missing, unexpected = _compare_keys(flat.tensors, metadata, ctx.directory)
+        _check_shapes(flat.tensors, metadata, meta, ctx)
+        present = {k: s for k, s in flat.tensors.items() if k in metadata.state_dict_metadata}
+        dcp.load({k: s.tensor for k, s in present.items()}, storage_reader=reader,
+                 planner=ShardLoadPlanner(present, ctx.directory))
+        common = safe_torch_load(os.path.join(ctx.directory, COMMON_FILE))
+        return Loaded(common, self._per_rank(ctx, meta), missing, unexpected)
+
+    def _per_rank(self, ctx: FormatContext, meta: CheckpointMetadata) -> dict[str, Any] | None:
+        if meta.topology != ctx.topology.describe():
+            if _comm.rank() == 0:
+                log.warning(
+                    "checkpoint was saved at tp=%(tp)s pp=%(pp)s dp=%(dp)s; per-rank RNG streams are not restored "
+                    "at a different layout (ranks no longer correspond), so dropout masks will differ",
+                    meta.topology,
+                )
+            return None
+        path = os.path.join(ctx.directory, rng_file(ctx.topology.rank))
+        return safe_torch_load(path) if os.path.exists(path) else None
+
+
+def _write_item(key: str, shard: Shard) -> WriteItem:
+    tensor = shard.tensor
+    return WriteItem(
+        index=MetadataIndex(key, torch.Size(shard.global_offset)),
+        type=WriteItemType.SHARD if not shard.is_full else WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(shard.global_offset), sizes=tensor.shape),
+            properties=TensorProperties.create_from_tensor(tensor),
+            size=torch.Size(shard.global_shape),
+        ),
+    )
+
+
+
+def _compare_keys(shards: dict[str, Shard], metadata: Metadata, where: str) -> tuple[list[str], list[str]]:
+    """Keys missing from the checkpoint (any rank) and saved keys no rank asked for."""
+    local = set(shards)
+    wanted = set().union(*_comm.all_gather(sorted(local)))
+    saved = set(metadata.state_dict_metadata)
+    missing = sorted(wanted - saved)
+    asked_prefixes = {k.split(".", 1)[0] for k in wanted}
+    unexpected = sorted(k for k in saved - wanted if k.split(".", 1)[0] in asked_prefixes)
+    return missing, unexpected
+
+
+def _check_shapes(shards: dict[str, Shard], metadata: Metadata, meta: CheckpointMetadata, ctx: FormatContext) -> None:
+    for key, shard in shards.items():
+        md = metadata.state_dict_metadata.get(key)
+        if md is None:
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{ctx.directory}: {key!r} is stored as an object, not a tensor")
+        saved = tuple(md.size)
+        if saved != shard.global_shape:
+            same_layout = meta.topology == ctx.topology.describe()
+            cls = CorruptCheckpointError if same_layout else TopologyMismatchError
+            hint = ("the model config differs from the saved one" if same_layout else
+                    f"the layout tp={ctx.topology.tp_size} pp={ctx.topology.pp_size} dp={ctx.topology.dp_size} "
+                    f"does not divide it the way the model expects; choose sizes that divide {saved}")
+            raise cls(
+                f"tensor {key!r} has global shape {saved} in {ctx.directory} but {shard.global_shape} here: {hint}"
+            )

@@ -1,0 +1,150 @@
+"""The ``torch`` format: Megatron-LM's legacy layout, one ``torch.save`` file per model-parallel rank.
+
+::
+
+    iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   # written by data-parallel rank 0
+    iter_0000100/mp_rank_TT[_PPP]/distrib_optim.pt     # a distributed optimizer's state, gathered over dp
+
+``model_optim_rng.pt`` holds what Megatron's does (checkpoint version, iteration,
+model, optimizer, scheduler, RNG of every dp rank, FLOPs so far) with two
+differences: tensors sit under their global keys with their box in the global tensor
+(``sharding``), so ``shardpoint convert`` can re-split them for another layout
+offline, and the config is stored as JSON text, never as a pickled ``args`` object.
+Everything loads with ``torch.load(weights_only=True)``.
+
+The file is per model-parallel rank, so loading needs the same tp and pp; dp may
+change (a distributed optimizer's slices are reassembled from the gathered pieces).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from shardpoint import _comm
+from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
+from shardpoint.formats.base import FormatContext, Loaded, write_torch_file
+from shardpoint.metadata import CheckpointMetadata
+from shardpoint.safe_io import safe_torch_load
+from shardpoint.sharding import Shard, copy_overlap
+from shardpoint.state import OPTIM_PREFIX, FlatState
+from shardpoint.topology import mp_rank_name
+
+__all__ = ["TorchFormat"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 3.0
+MAIN_FILE = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+
+
+class TorchFormat:
+    """``format="torch"``: Megatron's per-model-parallel-rank files."""
+
+    name = "torch"
+
+    def save(self, ctx: FormatContext, flat: FlatState) -> list[str]:
+        topo = ctx.topology
+        folder = topo.mp_rank_name
+        dp_sharded = {k: s for k, s in flat.tensors.items() if ctx.distributed_optimizer and k.startswith(OPTIM_PREFIX)}
+        plain = {k: s for k, s in flat.tensors.items() if k not in dp_sharded}
+        dp_root = topo.rank_of(tp=topo.tp_rank, pp=topo.pp_rank, dp=0)
+        group = topo.dp_group() if topo.dp_size > 1 else None
+        rng_states = _comm.gather_to(flat.per_rank.get("rng"), dp_root, group)
+        pieces = _comm.gather_to(_pieces(dp_sharded), dp_root, group) if dp_sharded else None
+        if topo.dp_rank != 0:
+            return []
+        os.makedirs(os.path.join(ctx.directory, folder), exist_ok=True)
+        payload = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": flat.common["iteration"],
+            "model": {k: s.tensor for k, s in plain.items() if k.startswith("model.")},
+            "optimizer": {k: s.tensor for k, s in plain.items() if k.startswith(OPTIM_PREFIX)},
+            "sharding": {k: {"global_shape": list(s.global_shape), "global_offset": list(s.global_offset)}
+                         for k, s in plain.items()},
+            "common": flat.common,
+            "rng_state": rng_states if flat.per_rank else None,
+            "num_floating_point_operations_so_far": flat.common.get("extra", {}).get("flops", 0),
+            "config_json": json.dumps(flat.common.get("config", {})),
+            "topology": topo.describe(),
+        }
+        files = [f"{folder}/{MAIN_FILE}"]
+        write_torch_file(payload, os.path.join(ctx.directory, files[0]))
+        if pieces is not None:
+            merged: dict[str, list[dict[str, Any]]] = {}
+            for rank_pieces in pieces:
+                for key, items in rank_pieces.items():
+                    merged.setdefault(key, []).extend(items)
+            files.append(f"{folder}/{DISTRIB_OPTIM_FILE}")
+            write_torch_file({"pieces": merged, "dp_size": topo.dp_size}, os.path.join(ctx.directory, files[-1]))
+        return files
+
+    def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
+        folder = mp_rank_name(ctx.topology.tp_rank, ctx.topology.pp_rank, meta.topology["pp"])
+        return sorted(name for name in meta.files if name.startswith(folder + "/"))
+
+    def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
+        topo = ctx.topology
+        saved = meta.topology
+        if (saved["tp"], saved["pp"]) != (topo.tp_size, topo.pp_size):
+            raise TopologyMismatchError(
+                f"{ctx.directory} is a 'torch' format checkpoint saved at tp={saved['tp']} pp={saved['pp']}, "
+                f"but this job runs tp={topo.tp_size} pp={topo.pp_size}. The torch format stores one file per "
+                "model-parallel rank and cannot be resharded on load: resume with the saved tp/pp, save with "
+                "format='dist' (reshardable), or re-split it offline with "
+                f"`shardpoint convert {ctx.directory} OUT --tp {topo.tp_size} --pp {topo.pp_size}`"
+            )
+        folder = os.path.join(ctx.directory, topo.mp_rank_name)
+        main_path = os.path.join(folder, MAIN_FILE)
+        if not os.path.exists(main_path):
+            raise CorruptCheckpointError(f"{main_path} is missing; the checkpoint is incomplete")
+        payload = safe_torch_load(main_path, mmap=True)
+        stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
+        pieces = None
+        distrib_path = os.path.join(folder, DISTRIB_OPTIM_FILE)
+        if os.path.exists(distrib_path):
+            pieces = safe_torch_load(distrib_path, mmap=True)["pieces"]
+        missing = []
+        for key, target in flat.tensors.items():
+            if key in stored:
+                _copy_whole(key, target, stored[key], payload["sharding"].get(key), main_path)
+            elif pieces is not None and key in pieces:
+                for piece in pieces[key]:
+                    copy_overlap(target, piece["tensor"], piece["global_offset"])
+            else:
+                missing.append(key)
+        unexpected = sorted(set(stored) - set(flat.tensors))
+        missing = sorted(set().union(*_comm.all_gather(missing)))
+        unexpected = sorted(set().union(*_comm.all_gather(unexpected)))
+        rng_states = payload.get("rng_state")
+        per_rank = None
+        if rng_states and saved["dp"] == topo.dp_size:
+            per_rank = {"rng": rng_states[topo.dp_rank]}
+        elif rng_states:
+            log.warning("checkpoint saved at dp=%d, running dp=%d: per-rank RNG streams not restored",
+                        saved["dp"], topo.dp_size)
+        return Loaded(payload["common"], per_rank, missing, unexpected)
+
+
+def _pieces(shards: dict[str, Shard]) -> dict[str, list[dict[str, Any]]]:
+    return {k: [{"tensor": s.tensor.detach().cpu(), "global_offset": list(s.global_offset),
+                 "global_shape": list(s.global_shape)}] for k, s in shards.items()}
+
+
+def _copy_whole(key: str, target: Shard, source: torch.Tensor, box: dict | None, where: str) -> None:
+    if tuple(source.shape) != tuple(target.tensor.shape) or (
+        box is not None and tuple(box["global_offset"]) != target.global_offset
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: tensor {key!r} has shape {tuple(source.shape)} at offset "
+            f"{tuple(box['global_offset']) if box else '?'}, but this rank expects {tuple(target.tensor.shape)} at "
+            f"{target.global_offset}; the model config differs from the saved one"
+        )
+    with torch.no_grad():
+        target.tensor.copy_(source)
+

@@ -1,0 +1,145 @@
+"""``shardpoint.json``: the commit marker and the description of one checkpoint.
+
+It is JSON, never pickle, so reading it can run no code, and it is parsed into a
+typed, validated dataclass so a hand-edited or truncated file is reported as such
+instead of failing later with a ``KeyError``. A directory without this file is not a
+checkpoint: it is written last, after every data file it vouches for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shardpoint.errors import CorruptCheckpointError
+
+__all__ = ["FORMAT_VERSION", "MARKER_NAME", "CheckpointMetadata", "FileRecord"]
+
+MARKER_NAME = "shardpoint.json"
+FORMAT_VERSION = 1
+FORMATS = ("dist", "torch")
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """Size and checksum of one data file, relative to the checkpoint directory."""
+
+    size: int
+    xxh3_64: str
+
+
+@dataclass
+class CheckpointMetadata:
+    """Everything ``shardpoint.json`` holds (see DESIGN §3)."""
+
+    iteration: int
+    format: str
+    topology: dict[str, int]
+    release: bool = False
+    layout: str = "megatron"
+    config: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    consumed_samples: int | None = None
+    flops: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    wall_time: float = 0.0
+    save_seconds: float = 0.0
+    validation_logits: str | None = None
+    library_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.size for r in self.files.values())
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        return json.dumps(data, indent=1, sort_keys=True, allow_nan=False, default=_json_default)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> CheckpointMetadata:
+        """Parse and validate; every problem is a CorruptCheckpointError naming ``where``."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpointError(
+                f"{where} is not valid JSON ({exc}); the checkpoint's marker is damaged: "
+                "load another iteration, or restore the file from a copy"
+            ) from None
+        if not isinstance(data, dict):
+            raise CorruptCheckpointError(f"{where} holds a {type(data).__name__}, not a JSON object")
+        version = data.get("format_version")
+        if not isinstance(version, int):
+            raise CorruptCheckpointError(f"{where} has no integer format_version")
+        if version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{where} has format version {version}, newer than this shardpoint understands "
+                f"({FORMAT_VERSION}); upgrade shardpoint to load it"
+            )
+        return cls(**_validated_fields(data, where))
+
+
+def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
+    def need(key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        if key not in data:
+            if optional:
+                return None
+            raise CorruptCheckpointError(f"{where} is missing the field {key!r}")
+        value = data[key]
+        if optional and value is None:
+            return None
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CorruptCheckpointError(f"{where}: field {key!r} should be {_kind_name(kind)}, got {value!r}"[:300])
+        return value
+
+    fields: dict[str, Any] = {
+        "iteration": need("iteration", int),
+        "format": need("format", str),
+        "topology": need("topology", dict),
+        "release": need("release", bool),
+        "format_version": data["format_version"],
+    }
+    if fields["format"] not in FORMATS:
+        raise CorruptCheckpointError(f"{where}: unknown format {fields['format']!r}; expected one of {FORMATS}")
+    if fields["iteration"] < 0:
+        raise CorruptCheckpointError(f"{where}: negative iteration {fields['iteration']}")
+    for axis in ("tp", "pp", "dp"):
+        size = fields["topology"].get(axis)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise CorruptCheckpointError(f"{where}: topology.{axis} should be a positive integer, got {size!r}")
+    files = need("files", dict)
+    records = {}
+    for name, rec in files.items():
+        if (not isinstance(rec, dict) or not isinstance(rec.get("size"), int) or rec["size"] < 0
+                or not isinstance(rec.get("xxh3_64"), str)):
+            raise CorruptCheckpointError(f"{where}: file record for {name!r} is malformed: {rec!r}"[:300])
+        if name.startswith("/") or ".." in name.split("/"):
+            raise CorruptCheckpointError(f"{where}: file name {name!r} points outside the checkpoint")
+        records[name] = FileRecord(rec["size"], rec["xxh3_64"])
+    fields["files"] = records
+    for key, kind in (("layout", str), ("config", dict), ("metrics", dict), ("library_version", str),
+                      ("validation_logits", str), ("consumed_samples", int), ("flops", (int, float)),
+                      ("wall_time", (int, float)), ("save_seconds", (int, float))):
+        value = need(key, kind, optional=True)
+        if value is not None:
+            fields[key] = value
+    for name, value in fields.get("metrics", {}).items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise CorruptCheckpointError(f"{where}: metric {name!r} should be a finite number, got {value!r}")
+    return fields
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({"int": "an integer", "str": "a string", "dict": "an object", "bool": "true/false",
+                        "float": "a number"}.get(k.__name__, k.__name__) for k in kinds)
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable; config values must be JSON types")

@@ -1,0 +1,87 @@
+"""Reading files from a checkpoint without ever running code from them.
+
+``pickle`` can call any importable function while loading, so a checkpoint from a
+stranger could run anything. Every pickle shardpoint reads goes through one of two
+doors:
+
+* ``torch.load(weights_only=True)`` for ``.pt`` files: tensors, containers and
+  numbers only;
+* :class:`RestrictedUnpickler` for DCP's ``.metadata``, which allows exactly the
+  dataclasses DCP stores there and nothing else.
+
+Anything else raises :class:`~shardpoint.errors.UnsafeCheckpointError` before a
+single object is built.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from typing import Any
+
+import torch
+
+from shardpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = ["RestrictedUnpickler", "load_dcp_metadata", "safe_torch_load"]
+
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_ALLOWED: set[tuple[str, str]] = {
+    (_DCP_META, name)
+    for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+_DTYPES = {str(dt).removeprefix("torch.") for dt in vars(torch).values() if isinstance(dt, torch.dtype)}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that builds only DCP metadata classes, dtypes and plain data."""
+
+    def __init__(self, file: Any, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (module == "torch" and name in _DTYPES):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.where} asks to load {module}.{name}, which a checkpoint never needs; refusing to load it "
+            "(the file may have been crafted to run code). Use a checkpoint from a trusted source."
+        )
+
+
+def load_dcp_metadata(data: bytes, where: str) -> Any:
+    """Unpickle DCP's ``.metadata`` with :class:`RestrictedUnpickler`."""
+    try:
+        return RestrictedUnpickler(io.BytesIO(data), where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CorruptCheckpointError(f"{where} cannot be read ({type(exc).__name__}: {exc}); the file is damaged") from None
+
+
+def safe_torch_load(path: str, *, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` with errors that say which file and why."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{path} contains objects that weights-only loading refuses ({_first_line(exc)}); shardpoint never "
+            "unpickles arbitrary classes. If you trust this file, convert it with the tool that made it."
+        ) from None
+    except (RuntimeError, zipfile.BadZipFile, EOFError, OSError) as exc:
+        raise CorruptCheckpointError(f"{path} cannot be read ({_first_line(exc)}); the file is damaged or truncated") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -1,0 +1,214 @@
+"""What a checkpoint holds, and how it is taken from and put back into training objects.
+
+:class:`TrainState` is what the user hands over. :func:`collect` turns it into a
+:class:`FlatState`: every tensor under a global key as a :class:`~shardpoint.sharding.Shard`
+(``model.<key>``, ``optimizer.state.<param key>.<name>``), the state common to all
+ranks, and the state of this rank alone (RNG streams). Formats only ever see a
+``FlatState``; :func:`restore` puts loaded common state back.
+
+Loading fills the very tensors ``collect`` returned, in place, so no second copy of
+the model is ever built.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardpoint import rng
+from shardpoint.sharding import Shard, flatten_shards, to_shard
+
+__all__ = ["FlatState", "TrainState", "collect", "param_shard_index", "restore"]
+
+log = logging.getLogger(__name__)
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optimizer.state."
+
+
+@dataclass
+class TrainState:
+    """Everything a training job needs to resume.
+
+    Args:
+        model: a module; its ``sharded_state_dict()`` is used when defined (Megatron's
+            convention: global keys, values are tensors, ``sp.Shard`` or ``DTensor``),
+            else ``state_dict()`` with every tensor replicated (or ``DTensor``).
+        optimizer: a ``torch.optim.Optimizer`` (its per-parameter state follows the
+            sharding of its parameter), or a distributed optimizer defining
+            ``sharded_state_dict(model_shards)`` / ``load_sharded_state_dict(...)``.
+        scheduler: anything with ``state_dict``/``load_state_dict`` (LR scheduler).
+        grad_scaler: a ``torch.amp.GradScaler`` or similar.
+        generators: extra ``torch.Generator`` objects (e.g. Megatron's model-parallel
+            RNG tracker) whose states are saved per rank.
+        extra: JSON-like training progress, e.g. ``{"consumed_samples": 1024}``;
+            ``consumed_samples`` and ``flops`` are also recorded in ``shardpoint.json``.
+    """
+
+    model: torch.nn.Module | None = None
+    optimizer: Any = None
+    scheduler: Any = None
+    grad_scaler: Any = None
+    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlatState:
+    """A TrainState flattened for a format: global-key tensors plus two small dicts."""
+
+    tensors: dict[str, Shard]
+    common: dict[str, Any]
+    per_rank: dict[str, Any]
+
+    def nbytes(self) -> int:
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.tensors.values())
+
+
+def collect(
+    state: TrainState,
+    *,
+    iteration: int,
+    include_optimizer: bool = True,
+    include_rng: bool = True,
+    init_optimizer: bool = False,
+) -> FlatState:
+    """Flatten ``state`` into global-key shards (views of the live tensors, no copies)."""
+    tensors = model_shards(state.model) if state.model is not None else {}
+    common: dict[str, Any] = {"iteration": iteration, "extra": dict(state.extra)}
+    if include_optimizer and state.optimizer is not None:
+        if init_optimizer:
+            _ensure_optimizer_state(state.optimizer)
+        opt_tensors, param_groups = optimizer_shards(state.optimizer, state.model, tensors)
+        tensors.update(opt_tensors)
+        common["optimizer_param_groups"] = param_groups
+        common["distributed_optimizer"] = hasattr(state.optimizer, "sharded_state_dict")
+    if include_optimizer and state.scheduler is not None:
+        common["scheduler"] = state.scheduler.state_dict()
+    if include_optimizer and state.grad_scaler is not None:
+        common["grad_scaler"] = state.grad_scaler.state_dict()
+    per_rank = {"rng": rng.capture(state.generators)} if include_rng else {}
+    return FlatState(tensors, common, per_rank)
+
+
+def restore(state: TrainState, common: Mapping[str, Any], per_rank: Mapping[str, Any] | None) -> None:
+    """Apply loaded common and per-rank state (tensors were already filled in place).
+
+    ``state.extra`` is updated with the saved extra, so ``consumed_samples`` resumes too.
+    """
+    state.extra.update(common.get("extra", {}))
+    if "optimizer_param_groups" in common and state.optimizer is not None:
+        _restore_param_groups(state.optimizer, common["optimizer_param_groups"])
+    if "scheduler" in common and state.scheduler is not None:
+        state.scheduler.load_state_dict(common["scheduler"])
+    if "grad_scaler" in common and state.grad_scaler is not None:
+        state.grad_scaler.load_state_dict(common["grad_scaler"])
+    if per_rank and "rng" in per_rank:
+        rng.restore(per_rank["rng"], state.generators)
+
+
+def model_shards(model: torch.nn.Module) -> dict[str, Shard]:
+    values = model.sharded_state_dict() if hasattr(model, "sharded_state_dict") else model.state_dict()
+    return flatten_shards(values, MODEL_PREFIX)
+
+
+def optimizer_shards(
+    optimizer: Any, model: torch.nn.Module | None, model_tensors: Mapping[str, Shard]
+) -> tuple[dict[str, Shard], list[dict[str, Any]]]:
+    """Per-parameter optimizer state as shards that follow their parameter's sharding."""
+    if hasattr(optimizer, "sharded_state_dict"):
+        values = optimizer.sharded_state_dict(model_tensors)
+        return flatten_shards(values, OPTIM_PREFIX), _param_groups(optimizer)
+    by_storage = param_shard_index(model_tensors)
+    shards: dict[str, Shard] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param not in optimizer.state or not optimizer.state[param]:
+                continue
+            param_key, param_shard = find_param(by_storage, param)
+            for name, value in optimizer.state[param].items():
+                key = f"{OPTIM_PREFIX}{param_key}.{name}"
+                if not isinstance(value, torch.Tensor):
+                    value = torch.tensor(value)
+                    optimizer.state[param][name] = value
+                if value.shape == param.shape:
+                    shards[key] = param_shard.like(value)
+                else:
+                    shards[key] = to_shard(value, key)
+    return shards, _param_groups(optimizer)
+
+
+def load_optimizer_shards(optimizer: Any, loaded: Mapping[str, Shard]) -> None:
+    """Hand loaded values to a distributed optimizer that asked to receive them."""
+    if hasattr(optimizer, "load_sharded_state_dict"):
+        prefix = len(OPTIM_PREFIX)
+        optimizer.load_sharded_state_dict({k[prefix:]: v for k, v in loaded.items() if k.startswith(OPTIM_PREFIX)})
+
+
+def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _restore_param_groups(optimizer: Any, saved: list[dict[str, Any]]) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        log.warning(
+            "optimizer has %d param groups but the checkpoint has %d; keeping the current hyperparameters",
+            len(optimizer.param_groups),
+            len(saved),
+        )
+        return
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def param_shard_index(model_tensors: Mapping[str, Shard]) -> dict[tuple, tuple[str, Shard]]:
+    """Map a parameter's storage to its ``(key without "model.", Shard)``; see :func:`find_param`."""
+    return {
+        _storage_key(shard.tensor): (key[len(MODEL_PREFIX) :], shard)
+        for key, shard in model_tensors.items()
+        if shard.tensor.numel() > 0
+    }
+
+
+def find_param(by_storage: Mapping[tuple, tuple[str, Shard]], param: torch.Tensor) -> tuple[str, Shard]:
+    found = by_storage.get(_storage_key(param))
+    if found is None:
+        raise KeyError(
+            f"an optimizer parameter of shape {tuple(param.shape)} is not in the model's state dict; "
+            "every optimized parameter must appear (as itself or a view) in model.sharded_state_dict()"
+        )
+    return found
+
+
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Create lazily-initialised optimizer state (Adam's moments) so loading has targets.
+
+    Runs one step with a zero learning rate and zero gradients, as DCP's own
+    ``_init_optim_state`` does; the values are overwritten by the load.
+    """
+    if hasattr(optimizer, "sharded_state_dict") or not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    saved_grads = [p.grad for p in params]
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+    try:
+        optimizer.step()
+    finally:
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+        for g, lr in zip(optimizer.param_groups, saved_lrs):
+            g["lr"] = lr

@@ -1,0 +1,163 @@
+"""Where bytes live: the one small interface every storage backend implements.
+
+The commit protocol (:mod:`shardpoint.commit`) and retention only need a handful of
+operations, listed on :class:`Storage`. Local disk implements them with POSIX
+guarantees (``os.replace`` is atomic, ``fsync`` makes it durable); an object store
+implements the same names with put/list/delete, where "publish a directory" is a
+no-op because readers trust only the commit marker.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from shardpoint.errors import StorageError
+
+__all__ = ["LocalStorage", "Storage", "open_storage"]
+
+
+class Storage(Protocol):
+    """Operations on paths (strings) under a checkpoint root.
+
+    All methods may be called by any rank; the Checkpointer calls the mutating ones
+    from rank 0 only, except data files, which each rank writes itself.
+    """
+
+    root: str
+
+    def join(self, *parts: str) -> str: ...
+    def exists(self, path: str) -> bool: ...
+    def is_dir(self, path: str) -> bool: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def size(self, path: str) -> int: ...
+    def read_bytes(self, path: str) -> bytes: ...
+    def open_read(self, path: str) -> BinaryIO: ...
+    def write_atomic(self, path: str, data: bytes) -> None: ...
+    def makedirs(self, path: str) -> None: ...
+    def remove(self, path: str) -> None: ...
+    def publish_dir(self, tmp: str, final: str) -> None: ...
+    def free_bytes(self, path: str) -> int | None: ...
+
+
+class LocalStorage:
+    """A local (or network-mounted POSIX) filesystem."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = os.path.abspath(os.fspath(root))
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def read_bytes(self, path: str) -> bytes:
+        return Path(path).read_bytes()
+
+    def open_read(self, path: str) -> BinaryIO:
+        return open(path, "rb")
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Write to a temporary name, fsync, ``os.replace``, fsync the directory."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with _storage_errors(path, len(data)):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(os.path.dirname(path))
+
+    def makedirs(self, path: str) -> None:
+        with _storage_errors(path):
+            os.makedirs(path, exist_ok=True)
+
+    def remove(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+    def publish_dir(self, tmp: str, final: str) -> None:
+        """Rename a finished directory into place and make the rename durable."""
+        with _storage_errors(final):
+            fsync_dir(tmp)
+            if os.path.exists(final):
+                trash = f"{os.path.dirname(final)}/.shardpoint-trash-{os.path.basename(final)}-{os.getpid()}"
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            fsync_dir(os.path.dirname(final))
+
+    def free_bytes(self, path: str) -> int | None:
+        probe = path
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        try:
+            return shutil.disk_usage(probe or ".").free
+        except OSError:
+            return None
+
+
+def open_storage(root: str | os.PathLike[str]) -> Storage:
+    """The backend for ``root``: local paths now; ``s3://`` once object storage lands."""
+    text = os.fspath(root)
+    if "://" in text and not text.startswith("file://"):
+        raise StorageError(f"{text}: this version supports local paths only (s3:// support is not built yet)")
+    return LocalStorage(text.removeprefix("file://"))
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _storage_errors:
+    """Turn OS errors into StorageError naming the path and the likely fix."""
+
+    def __init__(self, path: str, needed: int | None = None):
+        self.path = path
+        self.needed = needed
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, OSError):
+            return False
+        raise StorageError(describe_os_error(exc, self.path, self.needed)) from exc
+
+
+def describe_os_error(exc: OSError, path: str, needed: int | None = None) -> str:
+    """One sentence for an OS error during checkpoint I/O: what, where, and the fix."""
+    if exc.errno == errno.ENOSPC:
+        free = LocalStorage(path).free_bytes(path)
+        need = f"; about {needed / 1e9:.2f} GB needed" if needed else ""
+        have = f", {free / 1e9:.2f} GB free" if free is not None else ""
+        return f"no space left on device writing {path}{need}{have}; free space or save elsewhere"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied writing {path}; fix the directory's permissions or choose another save dir"
+    if exc.errno == errno.EROFS:
+        return f"{path} is on a read-only filesystem; save to a writable directory"
+    return f"{exc.strerror or exc} ({path})"

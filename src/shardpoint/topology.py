@@ -1,0 +1,148 @@
+"""Where this process sits in a tensor × pipeline × data parallel job.
+
+Megatron orders ranks with tensor parallel fastest, then data parallel, then
+pipeline parallel: ``rank = tp_rank + tp_size * (dp_rank + dp_size * pp_rank)``.
+The checkpoint layout (``mp_rank_TT_PPP``) and the rule "data-parallel rank 0
+writes the legacy files" both follow from these coordinates, so they live here
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from shardpoint.errors import TopologyMismatchError
+
+__all__ = ["Topology"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Parallel sizes and this process's coordinates.
+
+    Args:
+        tp_size: tensor-parallel size.
+        pp_size: pipeline-parallel size.
+        dp_size: data-parallel size.
+        rank: this process's global rank; defaults to the initialised process
+            group's rank, or 0 without one.
+
+    Example:
+        >>> topo = Topology(tp_size=2, pp_size=2, dp_size=2, rank=5)
+        >>> (topo.tp_rank, topo.dp_rank, topo.pp_rank), topo.mp_rank_name
+        ((1, 0, 1), 'mp_rank_01_001')
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    rank: int | None = None
+    _groups: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size", "dp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Topology {name} must be a positive integer, got {value!r}")
+        if self.rank is None:
+            object.__setattr__(self, "rank", dist.get_rank() if _initialized() else 0)
+        if not 0 <= self.rank < self.world_size:
+            raise TopologyMismatchError(
+                f"rank {self.rank} is outside tp={self.tp_size} x pp={self.pp_size} x dp={self.dp_size} "
+                f"= {self.world_size} ranks"
+            )
+        if _initialized() and dist.get_world_size() != self.world_size:
+            raise TopologyMismatchError(
+                f"tp={self.tp_size} x pp={self.pp_size} x dp={self.dp_size} = {self.world_size} ranks, "
+                f"but the process group has {dist.get_world_size()}; choose sizes whose product is the world size"
+            )
+
+    @classmethod
+    def from_groups(cls, *, tp_group: Any = None, pp_group: Any = None, dp_group: Any = None) -> Topology:
+        """Build a topology from existing process groups (``None`` means size 1).
+
+        The coordinates come from each group's own rank, so any rank order the
+        trainer chose is respected for naming; the groups are reused for the
+        collectives shardpoint needs (e.g. gathering ZeRO state over ``dp_group``).
+        """
+        sizes = {name: dist.get_world_size(g) if g is not None else 1 for name, g in
+                 (("tp", tp_group), ("pp", pp_group), ("dp", dp_group))}
+        coords = {name: dist.get_rank(g) if g is not None else 0 for name, g in
+                  (("tp", tp_group), ("pp", pp_group), ("dp", dp_group))}
+        topo = cls(sizes["tp"], sizes["pp"], sizes["dp"], rank=dist.get_rank() if _initialized() else 0)
+        object.__setattr__(topo, "_coords", coords)
+        topo._groups.update({"tp": tp_group, "pp": pp_group, "dp": dp_group})
+        return topo
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    def _coord(self, name: str) -> int:
+        coords = getattr(self, "_coords", None)
+        if coords is not None:
+            return coords[name]
+        if name == "tp":
+            return self.rank % self.tp_size
+        if name == "dp":
+            return (self.rank // self.tp_size) % self.dp_size
+        return self.rank // (self.tp_size * self.dp_size)
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coord("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coord("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coord("pp")
+
+    @property
+    def mp_rank_name(self) -> str:
+        """Megatron's directory name: ``mp_rank_TT`` or ``mp_rank_TT_PPP`` with pipelining."""
+        return mp_rank_name(self.tp_rank, self.pp_rank, self.pp_size)
+
+    def rank_of(self, *, tp: int, pp: int, dp: int) -> int:
+        """Global rank of the given coordinates in Megatron's order."""
+        return tp + self.tp_size * (dp + self.dp_size * pp)
+
+    def describe(self) -> dict[str, int]:
+        """The sizes as stored in ``shardpoint.json``."""
+        return {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size}
+
+    def dp_group(self) -> Any:
+        """This rank's data-parallel process group, created on first use.
+
+        Creating groups is collective: every rank must call this the same number of
+        times, which the Checkpointer guarantees by calling it from collective code only.
+        """
+        if "dp" not in self._groups:
+            self._groups["dp"] = self._build_groups(
+                [[self.rank_of(tp=t, pp=p, dp=d) for d in range(self.dp_size)]
+                 for p in range(self.pp_size) for t in range(self.tp_size)]
+            )
+        return self._groups["dp"]
+
+    def _build_groups(self, members: list[list[int]]) -> Any:
+        if not _initialized() or all(len(m) == 1 for m in members):
+            return None
+        mine = None
+        for ranks in members:
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+
+def mp_rank_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()

@@ -1,0 +1,83 @@
+"""Run a function on N real processes joined by a gloo process group (CPU).
+
+Children start from a forkserver that has already imported torch, so a rank starts
+in well under a second instead of re-importing torch. Each rank's return value is
+written with ``torch.save`` and handed back; a rank that raises makes ``launch``
+raise with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "shardpoint"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, out: str, env: dict[str, str], fn: Callable, args: tuple) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        torch.save(result, f"{out}/result_{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{out}/error_{rank}.txt", "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+class RankFailure(AssertionError):
+    def __init__(self, codes: list[int | None], errors: dict[int, str]):
+        self.codes = codes
+        self.errors = errors
+        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        super().__init__(f"exit codes {codes}\n{detail}")
+
+
+def launch(
+    fn: Callable, world: int, *args: Any, env: dict[str, str] | None = None, timeout: float = 180,
+    expect_failure: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's result.
+
+    With ``expect_failure`` the exit codes are returned instead of raising (for
+    tests that kill ranks on purpose).
+    """
+    out = tempfile.mkdtemp(prefix="sp-ranks-")
+    port = free_port()
+    procs = [_CTX.Process(target=_child, args=(r, world, port, out, env or {}, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    if expect_failure:
+        return codes
+    errors = {r: open(f"{out}/error_{r}.txt").read() for r in range(world) if os.path.exists(f"{out}/error_{r}.txt")}
+    if errors or any(c != 0 for c in codes):
+        raise RankFailure(codes, errors)
+    return [torch.load(f"{out}/result_{r}.pt", weights_only=False) for r in range(world)]
