@@ -1,0 +1,1 @@
+"""Subcommands of the ``shardpoint`` CLI; each module exposes ``add_parser(subparsers)``."""
