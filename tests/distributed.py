@@ -14,6 +14,7 @@ import socket
 import tempfile
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,7 +56,11 @@ class RankFailure(AssertionError):
 
 
 def launch(
-    fn: Callable, world: int, *args: Any, env: dict[str, str] | None = None, timeout: float = 180,
+    fn: Callable,
+    world: int,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
     expect_failure: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's result.
@@ -77,7 +82,9 @@ def launch(
     codes = [p.exitcode for p in procs]
     if expect_failure:
         return codes
-    errors = {r: open(f"{out}/error_{r}.txt").read() for r in range(world) if os.path.exists(f"{out}/error_{r}.txt")}
+    errors = {
+        r: Path(f"{out}/error_{r}.txt").read_text() for r in range(world) if os.path.exists(f"{out}/error_{r}.txt")
+    }
     if errors or any(c != 0 for c in codes):
         raise RankFailure(codes, errors)
     return [torch.load(f"{out}/result_{r}.pt", weights_only=False) for r in range(world)]

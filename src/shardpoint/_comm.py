@@ -72,7 +72,7 @@ def agree(step: Callable[[], T], what: str) -> T:
     result: Any = None
     try:
         result = step()
-    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+    except Exception as exc:
         error = exc
     summary = None if error is None else f"{type(error).__name__}: {error}"
     outcomes = all_gather(summary)
@@ -83,9 +83,7 @@ def agree(step: Callable[[], T], what: str) -> T:
     failed = {r: s for r, s in enumerate(outcomes) if s is not None}
     if failed:
         first_rank, first = next(iter(failed.items()))
-        raise CheckpointError(
-            f"{what} failed on rank(s) {sorted(failed)}; rank {first_rank}: {first}".rstrip()
-        )
+        raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}; rank {first_rank}: {first}".rstrip())
     return result
 
 

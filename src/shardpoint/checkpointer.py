@@ -23,10 +23,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from shardpoint import _comm, commit, faults
 from shardpoint._version import __version__
-from shardpoint.errors import CheckpointError, ConfigMismatchError, CorruptCheckpointError, MissingKeysError, StorageError
-from shardpoint.formats import FormatContext, get_format
+from shardpoint.errors import (
+    CheckpointError,
+    ConfigMismatchError,
+    CorruptCheckpointError,
+    MissingKeysError,
+    StorageError,
+)
+from shardpoint.formats import FormatContext, Loaded, get_format
 from shardpoint.integrity import record_file, verify_files
 from shardpoint.layout import Layout, get_layout
 from shardpoint.metadata import CheckpointMetadata
@@ -41,7 +49,7 @@ from shardpoint.policy import (
     PreservationPolicy,
     select_for_deletion,
 )
-from shardpoint.state import FlatState, TrainState, collect, load_optimizer_shards, restore
+from shardpoint.state import OPTIM_PREFIX, FlatState, TrainState, collect, load_optimizer_shards, restore
 from shardpoint.storage import describe_os_error, open_storage
 from shardpoint.topology import Topology
 
@@ -132,8 +140,13 @@ class Checkpointer:
         self._time_based = save_interval_minutes is not None
         self.save_policy = AnySaveDecision(tuple(decisions))
         self.preservation: list[PreservationPolicy] = [
-            p for p in (LatestN(keep_last) if keep_last else None, KeepEvery(keep_every) if keep_every else None,
-                        BestN(*keep_best) if keep_best else None) if p is not None
+            p
+            for p in (
+                LatestN(keep_last) if keep_last else None,
+                KeepEvery(keep_every) if keep_every else None,
+                BestN(*keep_best) if keep_best else None,
+            )
+            if p is not None
         ]
         self.config = dict(config or {})
         self.allow_config_mismatch = set(allow_config_mismatch)
@@ -180,25 +193,39 @@ class Checkpointer:
     def close(self) -> None:
         """Finish pending work. Saves are synchronous in this version, so nothing is pending."""
 
-    def _write(self, iteration: int | None, flat: FlatState, metrics: Mapping[str, float],
-               extra: Mapping[str, Any], update_tracker: bool = True) -> str:
+    def _write(
+        self,
+        iteration: int | None,
+        flat: FlatState,
+        metrics: Mapping[str, float],
+        extra: Mapping[str, Any],
+        update_tracker: bool = True,
+    ) -> str:
         start = time.perf_counter()
         rank = _comm.rank()
         flat.common["config"] = self.config
         name = self.layout.dir_name(iteration)
         needed = _deduplicated_bytes(flat)
-        tmp = _comm.broadcast(_comm.agree(lambda: self._begin(name, needed) if rank == 0 else None,
-                                          "preparing the checkpoint directory"))
-        ctx = FormatContext(self.storage, tmp, self.topology, thread_count=self.thread_count,
-                            distributed_optimizer=flat.common.get("distributed_optimizer", False))
+        tmp = _comm.broadcast(
+            _comm.agree(lambda: self._begin(name, needed) if rank == 0 else None, "preparing the checkpoint directory")
+        )
+        ctx = FormatContext(
+            self.storage,
+            tmp,
+            self.topology,
+            thread_count=self.thread_count,
+            distributed_optimizer=flat.common.get("distributed_optimizer", False),
+        )
         try:
             records = _comm.agree(lambda: self._write_files(ctx, flat, needed), "writing checkpoint data")
             all_records = _comm.gather_to(records, 0)
             seconds = time.perf_counter() - start
             meta = self._metadata(iteration, all_records, metrics, extra, seconds)
             final = self.storage.join(self.root, name)
-            _comm.agree(lambda: self._commit(tmp, final, meta, update_tracker) if rank == 0 else None,
-                        "committing the checkpoint")
+            _comm.agree(
+                lambda: self._commit(tmp, final, meta, update_tracker) if rank == 0 else None,
+                "committing the checkpoint",
+            )
         except BaseException:
             if rank == 0:
                 self.storage.remove(tmp)
@@ -229,15 +256,29 @@ class Checkpointer:
             raise StorageError(describe_os_error(exc, ctx.directory, needed)) from exc
         return records
 
-    def _metadata(self, iteration: int | None, all_records: Sequence[dict] | None, metrics: Mapping[str, float],
-                  extra: Mapping[str, Any], seconds: float) -> CheckpointMetadata:
+    def _metadata(
+        self,
+        iteration: int | None,
+        all_records: Sequence[dict] | None,
+        metrics: Mapping[str, float],
+        extra: Mapping[str, Any],
+        seconds: float,
+    ) -> CheckpointMetadata:
         files = {k: v for records in (all_records or []) for k, v in records.items()}
         return CheckpointMetadata(
-            iteration=iteration or 0, format=self.format.name, topology=self.topology.describe(),
-            release=iteration is None, layout=self.layout.name, config=self.config, files=files,
+            iteration=iteration or 0,
+            format=self.format.name,
+            topology=self.topology.describe(),
+            release=iteration is None,
+            layout=self.layout.name,
+            config=self.config,
+            files=files,
             consumed_samples=_optional_int(extra.get("consumed_samples")),
-            flops=_optional_float(extra.get("flops")), metrics={k: float(v) for k, v in metrics.items()},
-            wall_time=time.time(), save_seconds=seconds, library_version=__version__,
+            flops=_optional_float(extra.get("flops")),
+            metrics={k: float(v) for k, v in metrics.items()},
+            wall_time=time.time(),
+            save_seconds=seconds,
+            library_version=__version__,
         )
 
     def _commit(self, tmp: str, final: str, meta: CheckpointMetadata, update_tracker: bool) -> None:
@@ -253,8 +294,11 @@ class Checkpointer:
             return
         try:
             faults.hit("during-retention", 0)
-            entries = [e for e in commit.list_checkpoints(self.storage, self.root, self.layout)
-                       if e.committed and e.iteration is not None]
+            entries = [
+                e
+                for e in commit.list_checkpoints(self.storage, self.root, self.layout)
+                if e.committed and e.iteration is not None
+            ]
             _, tracked = commit.read_tracker(self.storage, self.root, self.layout)
             infos = [CheckpointInfo(e.iteration, e.meta.metrics) for e in entries]
             for iteration in select_for_deletion(infos, self.preservation, {tracked} if tracked is not None else set()):
@@ -269,8 +313,14 @@ class Checkpointer:
         self._last_save_time = time.time()
         if _comm.rank() == 0:
             gb = meta.total_bytes / 1e9
-            log.info("saved %s (%s format, %.3f GB) in %.2f s, %.2f GB/s", final, meta.format, gb,
-                     self.last_save_seconds, gb / max(self.last_save_seconds, 1e-9))
+            log.info(
+                "saved %s (%s format, %.3f GB) in %.2f s, %.2f GB/s",
+                final,
+                meta.format,
+                gb,
+                self.last_save_seconds,
+                gb / max(self.last_save_seconds, 1e-9),
+            )
 
     # ---------------------------------------------------------------- loading
     def load(
@@ -298,8 +348,11 @@ class Checkpointer:
         """
         verify = self.verify if verify is None else verify
         rank = _comm.rank()
-        found = _comm.broadcast(_comm.agree(
-            lambda: self._resolve(iteration, verify and fallback) if rank == 0 else None, "finding the checkpoint"))
+        found = _comm.broadcast(
+            _comm.agree(
+                lambda: self._resolve(iteration, verify and fallback) if rank == 0 else None, "finding the checkpoint"
+            )
+        )
         if found is None:
             return None
         path, meta_json = found
@@ -309,20 +362,28 @@ class Checkpointer:
         fmt = get_format(meta.format)
         ctx = FormatContext(self.storage, path, self.topology, strict=strict)
         if verify:
-            _comm.agree(lambda: _verify_share(self.storage, path, meta, fmt.files_to_read(ctx, meta)),
-                        "verifying checksums")
-        flat = collect(state, iteration=meta.iteration, include_optimizer=load_optimizer and not finetune,
-                       include_rng=False, init_optimizer=True)
+            _comm.agree(
+                lambda: _verify_share(self.storage, path, meta, fmt.files_to_read(ctx, meta)), "verifying checksums"
+            )
+        flat = collect(
+            state,
+            iteration=meta.iteration,
+            include_optimizer=load_optimizer and not finetune,
+            include_rng=False,
+            init_optimizer=True,
+        )
         loaded = fmt.load(ctx, flat, meta)
+        _forget_unsaved_optimizer_state(state, flat, loaded)
         if strict and (loaded.missing or loaded.unexpected):
             raise MissingKeysError(path, loaded.missing, loaded.unexpected)
         if state.optimizer is not None and load_optimizer and not finetune:
             load_optimizer_shards(state.optimizer, flat.tensors)
-        common = loaded.common if not finetune else {}
-        restore(state, common, loaded.per_rank if load_rng and not finetune else None)
+        if not finetune:
+            restore(state, loaded.common, loaded.per_rank if load_rng else None, include_optimizer=load_optimizer)
         log.info("loaded %s (iteration %d%s)", path, meta.iteration, ", finetune" if finetune else "")
-        return LoadResult(0 if finetune else meta.iteration, meta.release, path, finetune,
-                          dict(loaded.common.get("extra", {})), meta)
+        return LoadResult(
+            0 if finetune else meta.iteration, meta.release, path, finetune, dict(loaded.common.get("extra", {})), meta
+        )
 
     def _resolve(self, iteration: int | None, fallback: bool) -> tuple[str, str] | None:
         """Rank 0: the directory to load and its marker text, or None for a fresh start."""
@@ -356,7 +417,8 @@ class Checkpointer:
 
     def _first_intact(self, layout: Layout, path: str, meta: CheckpointMetadata) -> tuple[str, str]:
         candidates = [(path, meta)] + [
-            (e.path, e.meta) for e in reversed(commit.list_checkpoints(self.storage, self.root, layout))
+            (e.path, e.meta)
+            for e in reversed(commit.list_checkpoints(self.storage, self.root, layout))
             if e.committed and e.path != path and (meta.release or (e.iteration or 0) < meta.iteration)
         ]
         for candidate, candidate_meta in candidates:
@@ -379,6 +441,20 @@ class Checkpointer:
             raise ConfigMismatchError(path, differences)
 
 
+def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: Loaded) -> None:
+    """A checkpoint saved before the first optimizer step has no optimizer state; that is not an error.
+
+    Loading created the state (to have targets to fill); drop it again so the optimizer
+    starts as it would have at the save.
+    """
+    optimizer_keys = {k for k in flat.tensors if k.startswith(OPTIM_PREFIX)}
+    if not optimizer_keys or not optimizer_keys <= set(loaded.missing):
+        return
+    loaded.missing = [k for k in loaded.missing if not k.startswith(OPTIM_PREFIX)]
+    if isinstance(state.optimizer, torch.optim.Optimizer) and not hasattr(state.optimizer, "sharded_state_dict"):
+        state.optimizer.state.clear()
+
+
 def _verify_share(storage: Any, path: str, meta: CheckpointMetadata, names: list[str]) -> None:
     """Verify this rank's share of ``names`` (round-robin), raising on the first bad file."""
     missing_record = [n for n in names if n not in meta.files]
@@ -388,7 +464,8 @@ def _verify_share(storage: Any, path: str, meta: CheckpointMetadata, names: list
     problems = verify_files(storage, path, meta, share)
     if problems:
         raise CorruptCheckpointError(
-            f"checkpoint {path} is damaged: " + "; ".join(map(str, problems))
+            f"checkpoint {path} is damaged: "
+            + "; ".join(map(str, problems))
             + ". Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify` for a report"
         )
 

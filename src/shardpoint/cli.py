@@ -52,8 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         return int(args.func(args) or 0)
     except CheckpointError as exc:

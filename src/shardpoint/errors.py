@@ -30,7 +30,9 @@ class ConfigMismatchError(CheckpointError):
     def __init__(self, path: str, differences: dict[str, tuple[object, object]]):
         self.path = path
         self.differences = differences
-        lines = [f"  {key}: saved={saved!r} current={current!r}" for key, (saved, current) in sorted(differences.items())]
+        lines = [
+            f"  {key}: saved={saved!r} current={current!r}" for key, (saved, current) in sorted(differences.items())
+        ]
         super().__init__(
             f"config of checkpoint {path} differs from the current config:\n"
             + "\n".join(lines)
@@ -57,7 +59,9 @@ class MissingKeysError(CheckpointError):
         if self.missing:
             parts.append(f"  missing from the checkpoint ({len(self.missing)}): {_preview(self.missing)}")
         if self.unexpected:
-            parts.append(f"  in the checkpoint but not in the model ({len(self.unexpected)}): {_preview(self.unexpected)}")
+            parts.append(
+                f"  in the checkpoint but not in the model ({len(self.unexpected)}): {_preview(self.unexpected)}"
+            )
         parts.append("Pass strict=False to load the keys that match and skip the rest.")
         super().__init__("\n".join(parts))
 

@@ -43,7 +43,10 @@ class FileProblem:
 
 
 def verify_files(
-    storage: Storage, directory: str, meta: CheckpointMetadata, names: list[str] | None = None,
+    storage: Storage,
+    directory: str,
+    meta: CheckpointMetadata,
+    names: list[str] | None = None,
     checksums: bool = True,
 ) -> list[FileProblem]:
     """Problems with the given files (all by default): missing, wrong size, wrong checksum."""

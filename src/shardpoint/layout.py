@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from shardpoint.errors import CorruptCheckpointError
 
-__all__ = ["LAYOUTS", "Layout", "RELEASE"]
+__all__ = ["LAYOUTS", "RELEASE", "Layout"]
 
 RELEASE = "release"
 

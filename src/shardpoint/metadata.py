@@ -112,16 +112,28 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
     files = need("files", dict)
     records = {}
     for name, rec in files.items():
-        if (not isinstance(rec, dict) or not isinstance(rec.get("size"), int) or rec["size"] < 0
-                or not isinstance(rec.get("xxh3_64"), str)):
+        if (
+            not isinstance(rec, dict)
+            or not isinstance(rec.get("size"), int)
+            or rec["size"] < 0
+            or not isinstance(rec.get("xxh3_64"), str)
+        ):
             raise CorruptCheckpointError(f"{where}: file record for {name!r} is malformed: {rec!r}"[:300])
         if name.startswith("/") or ".." in name.split("/"):
             raise CorruptCheckpointError(f"{where}: file name {name!r} points outside the checkpoint")
         records[name] = FileRecord(rec["size"], rec["xxh3_64"])
     fields["files"] = records
-    for key, kind in (("layout", str), ("config", dict), ("metrics", dict), ("library_version", str),
-                      ("validation_logits", str), ("consumed_samples", int), ("flops", (int, float)),
-                      ("wall_time", (int, float)), ("save_seconds", (int, float))):
+    for key, kind in (
+        ("layout", str),
+        ("config", dict),
+        ("metrics", dict),
+        ("library_version", str),
+        ("validation_logits", str),
+        ("consumed_samples", int),
+        ("flops", (int, float)),
+        ("wall_time", (int, float)),
+        ("save_seconds", (int, float)),
+    ):
         value = need(key, kind, optional=True)
         if value is not None:
             fields[key] = value
@@ -133,8 +145,12 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({"int": "an integer", "str": "a string", "dict": "an object", "bool": "true/false",
-                        "float": "a number"}.get(k.__name__, k.__name__) for k in kinds)
+    return " or ".join(
+        {"int": "an integer", "str": "a string", "dict": "an object", "bool": "true/false", "float": "a number"}.get(
+            k.__name__, k.__name__
+        )
+        for k in kinds
+    )
 
 
 def _json_default(value: Any) -> Any:

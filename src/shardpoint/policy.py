@@ -129,8 +129,11 @@ class BestN:
             raise ValueError(f"keep_best count must be >= 1, got {self.n}")
 
     def should_preserve(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        scored = [c for c in checkpoints if isinstance(c.metrics.get(self.metric), (int, float))
-                  and not math.isnan(c.metrics[self.metric])]
+        scored = [
+            c
+            for c in checkpoints
+            if isinstance(c.metrics.get(self.metric), (int, float)) and not math.isnan(c.metrics[self.metric])
+        ]
         sign = 1 if self.mode == "min" else -1
         scored.sort(key=lambda c: (sign * c.metrics[self.metric], -c.iteration))
         return {c.iteration for c in scored[: self.n]}

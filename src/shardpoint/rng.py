@@ -23,8 +23,13 @@ def capture(generators: Mapping[str, torch.Generator] | None = None) -> dict[str
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
         "generators": {k: g.get_state() for k, g in (generators or {}).items()},
     }
@@ -38,8 +43,15 @@ def restore(state: Mapping[str, Any], generators: Mapping[str, torch.Generator] 
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     np_state = state["numpy"]
-    np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            np_state["name"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

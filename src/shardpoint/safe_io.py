@@ -30,8 +30,14 @@ _DCP_META = "torch.distributed.checkpoint.metadata"
 _ALLOWED: set[tuple[str, str]] = {
     (_DCP_META, name)
     for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -66,8 +72,10 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
         return RestrictedUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CorruptCheckpointError(f"{where} cannot be read ({type(exc).__name__}: {exc}); the file is damaged") from None
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{where} cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
+        ) from None
 
 
 def safe_torch_load(path: str, *, mmap: bool = False) -> Any:
@@ -80,7 +88,9 @@ def safe_torch_load(path: str, *, mmap: bool = False) -> Any:
             "unpickles arbitrary classes. If you trust this file, convert it with the tool that made it."
         ) from None
     except (RuntimeError, zipfile.BadZipFile, EOFError, OSError) as exc:
-        raise CorruptCheckpointError(f"{path} cannot be read ({_first_line(exc)}); the file is damaged or truncated") from None
+        raise CorruptCheckpointError(
+            f"{path} cannot be read ({_first_line(exc)}); the file is damaged or truncated"
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -95,12 +95,18 @@ def collect(
     return FlatState(tensors, common, per_rank)
 
 
-def restore(state: TrainState, common: Mapping[str, Any], per_rank: Mapping[str, Any] | None) -> None:
+def restore(
+    state: TrainState, common: Mapping[str, Any], per_rank: Mapping[str, Any] | None, include_optimizer: bool = True
+) -> None:
     """Apply loaded common and per-rank state (tensors were already filled in place).
 
     ``state.extra`` is updated with the saved extra, so ``consumed_samples`` resumes too.
+    Without ``include_optimizer`` the scheduler and grad scaler stay as they are too,
+    as with Megatron's ``--no-load-optim``.
     """
     state.extra.update(common.get("extra", {}))
+    if not include_optimizer:
+        common = {k: v for k, v in common.items() if k not in ("optimizer_param_groups", "scheduler", "grad_scaler")}
     if "optimizer_param_groups" in common and state.optimizer is not None:
         _restore_param_groups(state.optimizer, common["optimizer_param_groups"])
     if "scheduler" in common and state.scheduler is not None:

@@ -68,10 +68,14 @@ class Topology:
         trainer chose is respected for naming; the groups are reused for the
         collectives shardpoint needs (e.g. gathering ZeRO state over ``dp_group``).
         """
-        sizes = {name: dist.get_world_size(g) if g is not None else 1 for name, g in
-                 (("tp", tp_group), ("pp", pp_group), ("dp", dp_group))}
-        coords = {name: dist.get_rank(g) if g is not None else 0 for name, g in
-                  (("tp", tp_group), ("pp", pp_group), ("dp", dp_group))}
+        sizes = {
+            name: dist.get_world_size(g) if g is not None else 1
+            for name, g in (("tp", tp_group), ("pp", pp_group), ("dp", dp_group))
+        }
+        coords = {
+            name: dist.get_rank(g) if g is not None else 0
+            for name, g in (("tp", tp_group), ("pp", pp_group), ("dp", dp_group))
+        }
         topo = cls(sizes["tp"], sizes["pp"], sizes["dp"], rank=dist.get_rank() if _initialized() else 0)
         object.__setattr__(topo, "_coords", coords)
         topo._groups.update({"tp": tp_group, "pp": pp_group, "dp": dp_group})
@@ -124,8 +128,11 @@ class Topology:
         """
         if "dp" not in self._groups:
             self._groups["dp"] = self._build_groups(
-                [[self.rank_of(tp=t, pp=p, dp=d) for d in range(self.dp_size)]
-                 for p in range(self.pp_size) for t in range(self.tp_size)]
+                [
+                    [self.rank_of(tp=t, pp=p, dp=d) for d in range(self.dp_size)]
+                    for p in range(self.pp_size)
+                    for t in range(self.tp_size)
+                ]
             )
         return self._groups["dp"]
 

@@ -33,8 +33,15 @@ class DistributedAdamW(torch.optim.Optimizer):
     ``step()`` averages gradients over ``dp_group`` itself; the trainer must not.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group: Any = None, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        dp_group: Any = None,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         super().__init__(list(params), {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1

@@ -19,7 +19,7 @@ from shardpoint.state import FlatState
 from shardpoint.storage import Storage
 from shardpoint.topology import Topology
 
-__all__ = ["CheckpointFormat", "FormatContext", "Loaded", "write_torch_file"]
+__all__ = ["CheckpointFormat", "FormatContext", "Loaded", "unexpected_keys", "write_torch_file"]
 
 
 @dataclass
@@ -70,3 +70,14 @@ def write_torch_file(obj: Any, path: str) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def unexpected_keys(saved: set[str], wanted: set[str]) -> list[str]:
+    """Saved keys nobody asked for, among the parts that were asked for at all.
+
+    Loading without the optimizer leaves every ``optimizer.*`` key unasked; that is a
+    choice, not a mismatch, so only parts (``model``, ``optimizer``) that were asked
+    for can hold unexpected keys.
+    """
+    asked_parts = {k.split(".", 1)[0] for k in wanted}
+    return sorted(k for k in saved - wanted if k.split(".", 1)[0] in asked_parts)

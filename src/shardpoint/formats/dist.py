@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardpoint import _comm
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
-from shardpoint.formats.base import FormatContext, Loaded, write_torch_file
+from shardpoint.formats.base import FormatContext, Loaded, unexpected_keys, write_torch_file
 from shardpoint.metadata import CheckpointMetadata
 from shardpoint.safe_io import load_dcp_metadata, safe_torch_load
 from shardpoint.sharding import Shard
@@ -144,8 +144,11 @@ class DistFormat:
         missing, unexpected = _compare_keys(flat.tensors, metadata, ctx.directory)
         _check_shapes(flat.tensors, metadata, meta, ctx)
         present = {k: s for k, s in flat.tensors.items() if k in metadata.state_dict_metadata}
-        dcp.load({k: s.tensor for k, s in present.items()}, storage_reader=reader,
-                 planner=ShardLoadPlanner(present, ctx.directory))
+        dcp.load(
+            {k: s.tensor for k, s in present.items()},
+            storage_reader=reader,
+            planner=ShardLoadPlanner(present, ctx.directory),
+        )
         common = safe_torch_load(os.path.join(ctx.directory, COMMON_FILE))
         return Loaded(common, self._per_rank(ctx, meta), missing, unexpected)
 
@@ -175,16 +178,12 @@ def _write_item(key: str, shard: Shard) -> WriteItem:
     )
 
 
-
 def _compare_keys(shards: dict[str, Shard], metadata: Metadata, where: str) -> tuple[list[str], list[str]]:
     """Keys missing from the checkpoint (any rank) and saved keys no rank asked for."""
     local = set(shards)
     wanted = set().union(*_comm.all_gather(sorted(local)))
     saved = set(metadata.state_dict_metadata)
-    missing = sorted(wanted - saved)
-    asked_prefixes = {k.split(".", 1)[0] for k in wanted}
-    unexpected = sorted(k for k in saved - wanted if k.split(".", 1)[0] in asked_prefixes)
-    return missing, unexpected
+    return sorted(wanted - saved), unexpected_keys(saved, wanted)
 
 
 def _check_shapes(shards: dict[str, Shard], metadata: Metadata, meta: CheckpointMetadata, ctx: FormatContext) -> None:
@@ -198,9 +197,12 @@ def _check_shapes(shards: dict[str, Shard], metadata: Metadata, meta: Checkpoint
         if saved != shard.global_shape:
             same_layout = meta.topology == ctx.topology.describe()
             cls = CorruptCheckpointError if same_layout else TopologyMismatchError
-            hint = ("the model config differs from the saved one" if same_layout else
-                    f"the layout tp={ctx.topology.tp_size} pp={ctx.topology.pp_size} dp={ctx.topology.dp_size} "
-                    f"does not divide it the way the model expects; choose sizes that divide {saved}")
+            hint = (
+                "the model config differs from the saved one"
+                if same_layout
+                else f"the layout tp={ctx.topology.tp_size} pp={ctx.topology.pp_size} dp={ctx.topology.dp_size} "
+                f"does not divide it the way the model expects; choose sizes that divide {saved}"
+            )
             raise cls(
                 f"tensor {key!r} has global shape {saved} in {ctx.directory} but {shard.global_shape} here: {hint}"
             )

@@ -27,7 +27,7 @@ import torch
 
 from shardpoint import _comm
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
-from shardpoint.formats.base import FormatContext, Loaded, write_torch_file
+from shardpoint.formats.base import FormatContext, Loaded, unexpected_keys, write_torch_file
 from shardpoint.metadata import CheckpointMetadata
 from shardpoint.safe_io import safe_torch_load
 from shardpoint.sharding import Shard, copy_overlap
@@ -65,8 +65,10 @@ class TorchFormat:
             "iteration": flat.common["iteration"],
             "model": {k: s.tensor for k, s in plain.items() if k.startswith("model.")},
             "optimizer": {k: s.tensor for k, s in plain.items() if k.startswith(OPTIM_PREFIX)},
-            "sharding": {k: {"global_shape": list(s.global_shape), "global_offset": list(s.global_offset)}
-                         for k, s in plain.items()},
+            "sharding": {
+                k: {"global_shape": list(s.global_shape), "global_offset": list(s.global_offset)}
+                for k, s in plain.items()
+            },
             "common": flat.common,
             "rng_state": rng_states if flat.per_rank else None,
             "num_floating_point_operations_so_far": flat.common.get("extra", {}).get("flops", 0),
@@ -89,51 +91,79 @@ class TorchFormat:
         return sorted(name for name in meta.files if name.startswith(folder + "/"))
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
-        topo = ctx.topology
-        saved = meta.topology
-        if (saved["tp"], saved["pp"]) != (topo.tp_size, topo.pp_size):
-            raise TopologyMismatchError(
-                f"{ctx.directory} is a 'torch' format checkpoint saved at tp={saved['tp']} pp={saved['pp']}, "
-                f"but this job runs tp={topo.tp_size} pp={topo.pp_size}. The torch format stores one file per "
-                "model-parallel rank and cannot be resharded on load: resume with the saved tp/pp, save with "
-                "format='dist' (reshardable), or re-split it offline with "
-                f"`shardpoint convert {ctx.directory} OUT --tp {topo.tp_size} --pp {topo.pp_size}`"
-            )
-        folder = os.path.join(ctx.directory, topo.mp_rank_name)
+        _check_layout(ctx, meta)
+        folder = os.path.join(ctx.directory, ctx.topology.mp_rank_name)
         main_path = os.path.join(folder, MAIN_FILE)
-        if not os.path.exists(main_path):
-            raise CorruptCheckpointError(f"{main_path} is missing; the checkpoint is incomplete")
-        payload = safe_torch_load(main_path, mmap=True)
-        stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
-        pieces = None
+        payload = _comm.agree(lambda: _read(main_path), "reading the torch-format checkpoint")
         distrib_path = os.path.join(folder, DISTRIB_OPTIM_FILE)
-        if os.path.exists(distrib_path):
-            pieces = safe_torch_load(distrib_path, mmap=True)["pieces"]
-        missing = []
-        for key, target in flat.tensors.items():
-            if key in stored:
-                _copy_whole(key, target, stored[key], payload["sharding"].get(key), main_path)
-            elif pieces is not None and key in pieces:
-                for piece in pieces[key]:
-                    copy_overlap(target, piece["tensor"], piece["global_offset"])
-            else:
-                missing.append(key)
-        unexpected = sorted(set(stored) - set(flat.tensors))
+        pieces = safe_torch_load(distrib_path, mmap=True)["pieces"] if os.path.exists(distrib_path) else None
+        stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
+        missing = _fill(flat, stored, payload.get("sharding", {}), pieces, main_path)
         missing = sorted(set().union(*_comm.all_gather(missing)))
-        unexpected = sorted(set().union(*_comm.all_gather(unexpected)))
-        rng_states = payload.get("rng_state")
-        per_rank = None
-        if rng_states and saved["dp"] == topo.dp_size:
-            per_rank = {"rng": rng_states[topo.dp_rank]}
-        elif rng_states:
-            log.warning("checkpoint saved at dp=%d, running dp=%d: per-rank RNG streams not restored",
-                        saved["dp"], topo.dp_size)
-        return Loaded(payload["common"], per_rank, missing, unexpected)
+        wanted = set().union(*_comm.all_gather(sorted(flat.tensors)))
+        saved_keys = set().union(*_comm.all_gather(sorted(set(stored) | set(pieces or {}))))
+        per_rank = _per_rank(payload.get("rng_state"), meta, ctx)
+        return Loaded(payload["common"], per_rank, missing, unexpected_keys(saved_keys, wanted))
+
+
+def _check_layout(ctx: FormatContext, meta: CheckpointMetadata) -> None:
+    topo, saved = ctx.topology, meta.topology
+    if (saved["tp"], saved["pp"]) != (topo.tp_size, topo.pp_size):
+        raise TopologyMismatchError(
+            f"{ctx.directory} is a 'torch' format checkpoint saved at tp={saved['tp']} pp={saved['pp']}, "
+            f"but this job runs tp={topo.tp_size} pp={topo.pp_size}. The torch format stores one file per "
+            "model-parallel rank and cannot be resharded on load: resume with the saved tp/pp, save with "
+            "format='dist' (reshardable), or re-split it offline with "
+            f"`shardpoint convert {ctx.directory} OUT --tp {topo.tp_size} --pp {topo.pp_size}`"
+        )
+
+
+def _read(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise CorruptCheckpointError(f"{path} is missing; the checkpoint is incomplete")
+    return safe_torch_load(path, mmap=True)
+
+
+def _fill(
+    flat: FlatState, stored: dict[str, torch.Tensor], boxes: dict[str, dict], pieces: dict | None, where: str
+) -> list[str]:
+    """Copy stored tensors into ``flat``'s targets; returns the keys found nowhere."""
+    missing = []
+    for key, target in flat.tensors.items():
+        if key in stored:
+            _copy_whole(key, target, stored[key], boxes.get(key), where)
+        elif pieces is not None and key in pieces:
+            for piece in pieces[key]:
+                copy_overlap(target, piece["tensor"], piece["global_offset"])
+        else:
+            missing.append(key)
+    return missing
+
+
+def _per_rank(rng_states: list | None, meta: CheckpointMetadata, ctx: FormatContext) -> dict[str, Any] | None:
+    if not rng_states:
+        return None
+    if meta.topology["dp"] != ctx.topology.dp_size:
+        log.warning(
+            "checkpoint saved at dp=%d, running dp=%d: per-rank RNG streams not restored",
+            meta.topology["dp"],
+            ctx.topology.dp_size,
+        )
+        return None
+    return {"rng": rng_states[ctx.topology.dp_rank]}
 
 
 def _pieces(shards: dict[str, Shard]) -> dict[str, list[dict[str, Any]]]:
-    return {k: [{"tensor": s.tensor.detach().cpu(), "global_offset": list(s.global_offset),
-                 "global_shape": list(s.global_shape)}] for k, s in shards.items()}
+    return {
+        k: [
+            {
+                "tensor": s.tensor.detach().cpu(),
+                "global_offset": list(s.global_offset),
+                "global_shape": list(s.global_shape),
+            }
+        ]
+        for k, s in shards.items()
+    }
 
 
 def _copy_whole(key: str, target: Shard, source: torch.Tensor, box: dict | None, where: str) -> None:
@@ -147,4 +177,3 @@ def _copy_whole(key: str, target: Shard, source: torch.Tensor, box: dict | None,
         )
     with torch.no_grad():
         target.tensor.copy_(source)
-
