@@ -14,6 +14,7 @@ import socket
 import tempfile
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def _child(rank: int, world: int, port: int, out: str, env: dict[str, str], fn: 
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
         result = fn(rank, world, *args)
         torch.save(result, f"{out}/result_{rank}.pt")
         dist.barrier()

@@ -21,6 +21,9 @@ from shardpoint.state import find_param, param_shard_index
 
 __all__ = ["DistributedAdamW"]
 
+# renamed in recent torch; keep working with torch>=2.6
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class DistributedAdamW(torch.optim.Optimizer):
     """AdamW whose state is sharded over a data-parallel group (ZeRO stage 1).
@@ -93,7 +96,7 @@ class DistributedAdamW(torch.optim.Optimizer):
         start, end = self._rows(p)
         mine = torch.zeros((per, *p.shape[1:]), dtype=p.dtype, device=p.device)
         mine[: end - start] = p[start:end]
-        dist.all_gather_into_tensor(padded, mine, group=self.dp_group)
+        _all_gather_single(padded, mine, group=self.dp_group)
         p.copy_(padded[: p.shape[0]])
 
     def sharded_state_dict(self, model_shards: Mapping[str, Shard]) -> dict[str, Any]:

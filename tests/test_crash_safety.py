@@ -1,0 +1,67 @@
+"""A save killed (SIGKILL) at any point never moves the tracker; the next run resumes from the last commit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardpoint as sp
+from tests import toy
+from tests.distributed import launch
+
+
+def _save_then_die(rank: int, world: int, root: str, fmt: str, fault: str):
+    topo = sp.Topology(2, 1, 2)
+    toy.seed_rng(topo)
+    state = toy.build(topo, zero=True)
+    ckpt = sp.Checkpointer(root, topology=topo, format=fmt)
+    toy.train_step(state, 1)
+    ckpt.save(1, state)
+    torch.save(toy.snapshot(state), f"{root}/../committed_{rank}.pt")
+    toy.train_step(state, 2)
+    os.environ["SHARDPOINT_FAULT"] = fault
+    ckpt.save(2, state)
+
+
+def _resume(rank: int, world: int, root: str, fmt: str):
+    topo = sp.Topology(2, 1, 2)
+    state = toy.build(topo, zero=True)
+    ckpt = sp.Checkpointer(root, topology=topo, format=fmt)
+    result = ckpt.load(state)
+    loaded = toy.snapshot(state)
+    ckpt.save(3, state)
+    return {"iteration": result.iteration, "snapshot": loaded, "entries": sorted(os.listdir(root))}
+
+
+POINTS = [
+    ("before-data", 1),
+    ("mid-data", 1),
+    ("after-data", 3),
+    ("before-marker", 0),
+    ("before-tracker", 0),
+]
+
+
+@pytest.mark.parametrize("fmt", ["dist", "torch"])
+@pytest.mark.parametrize("point,rank", POINTS)
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, fmt, point, rank):
+    root = tmp_path / "run"
+    codes = launch(_save_then_die, 4, str(root), fmt, f"point={point},rank={rank},action=kill", expect_failure=True)
+    assert codes[rank] == -9, codes  # the chosen rank really died by SIGKILL
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
+    if point == "before-tracker":
+        assert (root / "iter_0000002" / "shardpoint.json").exists()  # committed, but not yet latest
+    else:
+        assert not (root / "iter_0000002").exists()
+
+    resumed = launch(_resume, 4, str(root), fmt)
+    assert {r["iteration"] for r in resumed} == {1}
+    for r, result in enumerate(resumed):
+        committed = torch.load(tmp_path / f"committed_{r}.pt", weights_only=False)
+        for key, (_, _, tensor) in committed["tensors"].items():
+            assert torch.equal(result["snapshot"]["tensors"][key][2], tensor), key
+    # the next save cleaned the partial directory and committed normally
+    assert not any(n.startswith(".shardpoint-tmp") for n in resumed[0]["entries"])
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
