@@ -26,7 +26,9 @@ def full_init(key: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 class ToyModel(torch.nn.Module):
-    def __init__(self, topo: sp.Topology, layers: int = LAYERS, hidden: int = HIDDEN, vocab: int = VOCAB):
+    def __init__(
+        self, topo: sp.Topology, layers: int = LAYERS, hidden: int = HIDDEN, vocab: int = VOCAB, check: bool = True
+    ):
         super().__init__()
         self.topo = topo
         tp, ffn = topo.tp_size, 4 * hidden
@@ -44,12 +46,11 @@ class ToyModel(torch.nn.Module):
         self.params = torch.nn.ParameterDict()
         for key, (shape, kind) in self.specs.items():
             full = full_init(key, shape)
-            if kind == "col":
-                local = full.chunk(tp, 0)[topo.tp_rank] if sp.divide(shape[0], tp, key) else None
-            elif kind == "row":
-                local = full.chunk(tp, 1)[topo.tp_rank] if sp.divide(shape[1], tp, key) else None
-            else:
-                local = full
+            dim = {"col": 0, "row": 1}.get(kind)
+            local = full
+            if dim is not None:
+                size = sp.divide(shape[dim], tp, key) if check else shape[dim] // tp
+                local = full.narrow(dim, size * topo.tp_rank, size)
             self.params[key.replace(".", "__")] = torch.nn.Parameter(local.clone())
 
     def param(self, key: str) -> torch.nn.Parameter:
@@ -63,8 +64,8 @@ class ToyModel(torch.nn.Module):
         return out
 
 
-def build(topo: sp.Topology, zero: bool = False, lr: float = 0.05) -> sp.TrainState:
-    model = ToyModel(topo)
+def build(topo: sp.Topology, zero: bool = False, lr: float = 0.05, **model_args: Any) -> sp.TrainState:
+    model = ToyModel(topo, **model_args)
     if zero:
         opt = DistributedAdamW(model.parameters(), dp_group=topo.dp_group(), lr=lr, weight_decay=0.01)
     else:
