@@ -48,7 +48,7 @@ def saved_run(request, tmp_path_factory):
     return root, request.param, results
 
 
-@pytest.mark.parametrize("layout", LOAD_LAYOUTS, ids=lambda t: "tp%d-pp%d-dp%d" % t)
+@pytest.mark.parametrize("layout", LOAD_LAYOUTS, ids=lambda t: "tp{}-pp{}-dp{}".format(*t))
 def test_load_at_other_layout_is_bit_identical(saved_run, layout):
     root, zero, saved = saved_run
     world = layout[0] * layout[1] * layout[2]
@@ -102,7 +102,7 @@ torch.save(state, out)
 
 
 def test_plain_dcp_reads_full_tensors_without_shardpoint(saved_run, tmp_path):
-    root, zero, saved = saved_run
+    root, _, saved = saved_run
     out = tmp_path / "full.pt"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     subprocess.run([sys.executable, "-c", PLAIN_DCP_READER, f"{root}/iter_0000003", str(out)], check=True, env=env)
