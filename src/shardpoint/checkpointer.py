@@ -17,6 +17,7 @@ a collective.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +38,7 @@ from shardpoint.errors import (
 from shardpoint.formats import FormatContext, Loaded, get_format
 from shardpoint.integrity import record_file, verify_files
 from shardpoint.layout import Layout, get_layout
+from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata
 from shardpoint.policy import (
     AnySaveDecision,
@@ -50,7 +52,7 @@ from shardpoint.policy import (
     select_for_deletion,
 )
 from shardpoint.state import OPTIM_PREFIX, FlatState, TrainState, collect, load_optimizer_shards, restore
-from shardpoint.storage import describe_os_error, open_storage
+from shardpoint.storage import as_storage_error, open_storage
 from shardpoint.topology import Topology
 
 __all__ = ["Checkpointer", "LoadResult"]
@@ -148,7 +150,7 @@ class Checkpointer:
             )
             if p is not None
         ]
-        self.config = dict(config or {})
+        self.config = _json_config(config)
         self.allow_config_mismatch = set(allow_config_mismatch)
         self.verify = verify
         self.thread_count = thread_count
@@ -156,8 +158,17 @@ class Checkpointer:
         self.total_save_seconds = 0.0
         self.last_saved_iteration: int | None = None
         self._last_save_time = time.time()
+        self._lock = DirectoryLock(self.root)
         if _comm.rank() == 0 and self.storage.is_dir(self.root):
-            commit.clean_leftovers(self.storage, self.root)
+            self._clean_leftovers_if_unlocked()
+
+    def _clean_leftovers_if_unlocked(self) -> None:
+        """Remove partial saves of dead jobs, unless a live job owns the directory (its saves are not ours)."""
+        if self._lock.try_acquire():
+            try:
+                commit.clean_leftovers(self.storage, self.root)
+            finally:
+                self._lock.release()
 
     # ----------------------------------------------------------------- saving
     def maybe_save(self, iteration: int, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> bool:
@@ -191,7 +202,14 @@ class Checkpointer:
         return self._write(None, flat, {}, state.extra, update_tracker=update_tracker)
 
     def close(self) -> None:
-        """Finish pending work. Saves are synchronous in this version, so nothing is pending."""
+        """Finish pending work and release the directory's writer lock."""
+        self._lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _write(
         self,
@@ -236,6 +254,9 @@ class Checkpointer:
         return final
 
     def _begin(self, name: str, needed: int) -> str:
+        if not self._lock.held:
+            self._lock.acquire()
+            commit.clean_leftovers(self.storage, self.root)
         free = self.storage.free_bytes(self.root)
         if free is not None and needed > free:
             raise StorageError(
@@ -252,8 +273,11 @@ class Checkpointer:
             faults.hit("mid-data", rank)
             records = {f: record_file(self.storage, self.storage.join(ctx.directory, f)) for f in files}
             faults.hit("after-data", rank)
-        except OSError as exc:
-            raise StorageError(describe_os_error(exc, ctx.directory, needed)) from exc
+        except (OSError, RuntimeError) as exc:
+            storage_error = as_storage_error(exc, ctx.directory, needed)
+            if storage_error is None:
+                raise
+            raise storage_error from exc
         return records
 
     def _metadata(
@@ -361,10 +385,8 @@ class Checkpointer:
         finetune = finetune or meta.release
         fmt = get_format(meta.format)
         ctx = FormatContext(self.storage, path, self.topology, strict=strict)
-        if verify:
-            _comm.agree(
-                lambda: _verify_share(self.storage, path, meta, fmt.files_to_read(ctx, meta)), "verifying checksums"
-            )
+        files = fmt.files_to_read(ctx, meta)
+        _comm.agree(lambda: _verify_share(self.storage, path, meta, files, verify), "verifying checkpoint files")
         flat = collect(
             state,
             iteration=meta.iteration,
@@ -455,13 +477,13 @@ def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: 
         state.optimizer.state.clear()
 
 
-def _verify_share(storage: Any, path: str, meta: CheckpointMetadata, names: list[str]) -> None:
-    """Verify this rank's share of ``names`` (round-robin), raising on the first bad file."""
+def _verify_share(storage: Any, path: str, meta: CheckpointMetadata, names: list[str], checksums: bool) -> None:
+    """Check this rank's share of ``names`` (round-robin): presence and size always, checksums if asked."""
     missing_record = [n for n in names if n not in meta.files]
     if missing_record:
         raise CorruptCheckpointError(f"{path}: {missing_record[0]} is not listed in shardpoint.json")
     share = names[_comm.rank() :: _comm.world_size()] if len(names) >= _comm.world_size() else names
-    problems = verify_files(storage, path, meta, share)
+    problems = verify_files(storage, path, meta, share, checksums=checksums)
     if problems:
         raise CorruptCheckpointError(
             f"checkpoint {path} is damaged: "
@@ -477,6 +499,14 @@ def _deduplicated_bytes(flat: FlatState) -> int:
     for part in _comm.all_gather(local):
         merged.update(part)
     return sum(merged.values())
+
+
+def _json_config(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config as plain JSON values; it is stored in shardpoint.json, never pickled."""
+    try:
+        return json.loads(json.dumps(dict(config or {}), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"Checkpointer config must hold JSON values (numbers, strings, lists, dicts): {exc}") from None
 
 
 def _optional_int(value: Any) -> int | None:

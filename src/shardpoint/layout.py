@@ -64,7 +64,7 @@ class Layout:
         value = text.strip()
         if value == RELEASE:
             return None
-        if value.isdigit():
+        if re.fullmatch("[0-9]+", value):
             return int(value)
         iteration = self.parse_dir_name(value)
         if iteration is None:
@@ -76,8 +76,8 @@ class Layout:
 
 
 LAYOUTS: dict[str, Layout] = {
-    "megatron": Layout("megatron", "latest_checkpointed_iteration.txt", "iter_{:07d}", r"iter_(\d+)", False),
-    "neox": Layout("neox", "latest", "global_step{}", r"global_step(\d+)", True),
+    "megatron": Layout("megatron", "latest_checkpointed_iteration.txt", "iter_{:07d}", r"iter_([0-9]+)", False),
+    "neox": Layout("neox", "latest", "global_step{}", r"global_step([0-9]+)", True),
 }
 
 

@@ -17,7 +17,7 @@ from typing import BinaryIO, Protocol
 
 from shardpoint.errors import StorageError
 
-__all__ = ["LocalStorage", "Storage", "open_storage"]
+__all__ = ["LocalStorage", "Storage", "as_storage_error", "open_storage"]
 
 
 class Storage(Protocol):
@@ -147,6 +147,21 @@ class _storage_errors:
         if exc is None or not isinstance(exc, OSError):
             return False
         raise StorageError(describe_os_error(exc, self.path, self.needed)) from exc
+
+
+def as_storage_error(exc: BaseException, path: str, needed: int | None = None) -> StorageError | None:
+    """A StorageError for a write that failed because of the storage, else None.
+
+    ``torch.save`` reports a full disk as ``RuntimeError: ... unexpected pos`` rather
+    than ENOSPC, so a RuntimeError counts as "disk full" when the disk is nearly full.
+    """
+    if isinstance(exc, OSError):
+        return StorageError(describe_os_error(exc, path, needed))
+    if isinstance(exc, RuntimeError):
+        free = LocalStorage(path).free_bytes(path)
+        if free is not None and free < max(needed or 0, 1 << 20):
+            return StorageError(describe_os_error(OSError(errno.ENOSPC, "No space left on device"), path, needed))
+    return None
 
 
 def describe_os_error(exc: OSError, path: str, needed: int | None = None) -> str:

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -37,7 +40,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardpoint import _comm
-from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
+from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats.base import FormatContext, Loaded, unexpected_keys, write_torch_file
 from shardpoint.metadata import CheckpointMetadata
 from shardpoint.safe_io import load_dcp_metadata, safe_torch_load
@@ -125,7 +128,8 @@ class DistFormat:
         os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
         writer = FileSystemWriter(directory, sync_files=True, thread_count=ctx.thread_count)
         state_dict = {key: shard.tensor for key, shard in flat.tensors.items()}
-        dcp.save(state_dict, storage_writer=writer, planner=ShardSavePlanner(flat.tensors))
+        with _dcp_errors(directory):
+            dcp.save(state_dict, storage_writer=writer, planner=ShardSavePlanner(flat.tensors))
         files = [n for n in os.listdir(directory) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
         if flat.per_rank:
             write_torch_file(flat.per_rank, os.path.join(directory, rng_file(rank)))
@@ -140,7 +144,7 @@ class DistFormat:
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
         reader = SafeFileSystemReader(ctx.directory)
-        metadata = reader.read_metadata()
+        metadata = _comm.agree(reader.read_metadata, "reading DCP metadata")
         missing, unexpected = _compare_keys(flat.tensors, metadata, ctx.directory)
         _check_shapes(flat.tensors, metadata, meta, ctx)
         present = {k: s for k, s in flat.tensors.items() if k in metadata.state_dict_metadata}
@@ -163,6 +167,27 @@ class DistFormat:
             return None
         path = os.path.join(ctx.directory, rng_file(ctx.topology.rank))
         return safe_torch_load(path) if os.path.exists(path) else None
+
+
+@contextmanager
+def _dcp_errors(directory: str, loading: bool = False) -> Iterator[None]:
+    """Unwrap DCP's CheckpointException (a BaseException carrying every rank's traceback).
+
+    DCP raises it on every rank, so re-raising here keeps all ranks in step. The first
+    failing rank's own exception is re-raised, so the Checkpointer can tell a full
+    disk from a bug; on load, errors that are not ours become a CorruptCheckpointError
+    naming the directory.
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = sorted(exc.failures.items(), key=lambda item: item[0])
+        first_rank, (error, _) = failures[0]
+        if not loading or isinstance(error, (CheckpointError, OSError)):
+            raise error from None
+        raise CorruptCheckpointError(
+            f"cannot read {directory} (rank {first_rank}: {type(error).__name__}: {error}); a file is damaged"
+        ) from None
 
 
 def _write_item(key: str, shard: Shard) -> WriteItem:

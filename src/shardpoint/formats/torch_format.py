@@ -63,8 +63,8 @@ class TorchFormat:
         payload = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": flat.common["iteration"],
-            "model": {k: s.tensor for k, s in plain.items() if k.startswith("model.")},
-            "optimizer": {k: s.tensor for k, s in plain.items() if k.startswith(OPTIM_PREFIX)},
+            "model": {k: _compact(s.tensor) for k, s in plain.items() if k.startswith("model.")},
+            "optimizer": {k: _compact(s.tensor) for k, s in plain.items() if k.startswith(OPTIM_PREFIX)},
             "sharding": {
                 k: {"global_shape": list(s.global_shape), "global_offset": list(s.global_offset)}
                 for k, s in plain.items()
@@ -157,13 +157,19 @@ def _pieces(shards: dict[str, Shard]) -> dict[str, list[dict[str, Any]]]:
     return {
         k: [
             {
-                "tensor": s.tensor.detach().cpu(),
+                "tensor": _compact(s.tensor),
                 "global_offset": list(s.global_offset),
                 "global_shape": list(s.global_shape),
             }
         ]
         for k, s in shards.items()
     }
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor owning just its bytes: ``torch.save`` of a view writes the view's whole storage."""
+    tensor = tensor.detach().cpu()
+    return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
 
 
 def _copy_whole(key: str, target: Shard, source: torch.Tensor, box: dict | None, where: str) -> None:
