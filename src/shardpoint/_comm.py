@@ -56,6 +56,16 @@ def gather_to(obj: Any, dst: int, group: Any = None) -> list[Any] | None:
     return out
 
 
+def new_group() -> Any:
+    """A gloo group of all ranks for background collectives (None without a process group).
+
+    Collective: every rank must call it at the same point.
+    """
+    if not initialized() or world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def barrier() -> None:
     if initialized() and world_size() > 1:
         dist.barrier()
@@ -72,7 +82,7 @@ def agree(step: Callable[[], T], what: str) -> T:
     result: Any = None
     try:
         result = step()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
         error = exc
     summary = None if error is None else f"{type(error).__name__}: {error}"
     outcomes = all_gather(summary)

@@ -28,6 +28,7 @@ import torch
 
 from shardpoint import _comm, commit, faults
 from shardpoint._version import __version__
+from shardpoint.async_save import BackgroundWrite, SnapshotBuffers
 from shardpoint.errors import (
     CheckpointError,
     ConfigMismatchError,
@@ -58,6 +59,22 @@ from shardpoint.topology import Topology
 __all__ = ["Checkpointer", "LoadResult"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingSave:
+    """A save between its start and its commit (the whole of it for sync saves)."""
+
+    iteration: int | None
+    final: str
+    ctx: FormatContext
+    flat: FlatState
+    needed: int
+    metrics: dict[str, float]
+    extra: dict[str, Any]
+    update_tracker: bool
+    start: float
+    writer: BackgroundWrite | None = None
 
 
 @dataclass
@@ -95,7 +112,8 @@ class Checkpointer:
         keep_last: keep the newest N checkpoints (None keeps all).
         keep_every: also keep every checkpoint whose iteration is a multiple of K.
         keep_best: also keep the N best by a metric: ``(N, "val_loss", "min")``.
-        async_save: reserved for background saves (not available yet).
+        async_save: copy the state to host memory and write it in the background
+            (``dist`` format); see :mod:`shardpoint.async_save`.
         config: the model's defining arguments, stored as JSON and compared on load.
         allow_config_mismatch: config keys that may differ between save and load.
         verify: check file checksums on load (sizes are always checked).
@@ -129,8 +147,8 @@ class Checkpointer:
         verify: bool = True,
         thread_count: int = 1,
     ):
-        if async_save:
-            raise ValueError("async_save=True is not available in this version; use async_save=False")
+        if async_save and format != "dist":
+            raise ValueError(f"async_save=True needs format='dist' (got format={format!r})")
         self.storage = open_storage(path)
         self.root = self.storage.root
         self.topology = topology or Topology(1, 1, _comm.world_size())
@@ -154,6 +172,12 @@ class Checkpointer:
         self.allow_config_mismatch = set(allow_config_mismatch)
         self.verify = verify
         self.thread_count = thread_count
+        self.async_save = async_save
+        self._async_group = _comm.new_group() if async_save else None
+        self._buffers = SnapshotBuffers()
+        self._pending: _PendingSave | None = None
+        self.last_stall_seconds = 0.0
+        self.last_background_seconds = 0.0
         self.last_save_seconds = 0.0
         self.total_save_seconds = 0.0
         self.last_saved_iteration: int | None = None
@@ -173,6 +197,7 @@ class Checkpointer:
     # ----------------------------------------------------------------- saving
     def maybe_save(self, iteration: int, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> bool:
         """Save if the save policy says so at ``iteration``; returns whether it saved."""
+        self._finalize(blocking=False)
         decision = self.save_policy.should_save(iteration, time.time(), self._last_save_time)
         if self._time_based:
             decision = _comm.broadcast(decision)
@@ -182,28 +207,42 @@ class Checkpointer:
         return False
 
     def save(self, iteration: int, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> str:
-        """Save now and commit; every rank calls this. Returns the checkpoint directory.
+        """Save now; every rank calls this. Returns the checkpoint directory.
+
+        Synchronous saves are committed when this returns. With ``async_save`` this
+        returns after copying the state to host memory; the checkpoint is committed by
+        a later ``maybe_save``/``save``/``close`` once every rank's files are written.
 
         Raises:
             StorageError: the disk is full, read-only or not writable; nothing
                 committed earlier is touched and the partial files are removed.
-            CheckpointError: any rank failed; raised on every rank.
+            CheckpointError: any rank failed (raised on every rank); with
+                ``async_save``, a failure of the previous background save.
         """
         if iteration < 0:
             raise ValueError(f"iteration must be >= 0, got {iteration}")
+        self._finalize(blocking=True)
         flat = collect(state, iteration=iteration)
-        path = self._write(iteration, flat, metrics or {}, state.extra)
+        path = self._write(iteration, flat, metrics or {}, state.extra, background=self.async_save)
         self.last_saved_iteration = iteration
         return path
 
     def save_release(self, state: TrainState, *, update_tracker: bool = True) -> str:
         """Save model weights only into ``release/``; loading it enters finetune mode."""
+        self._finalize(blocking=True)
         flat = collect(state, iteration=0, include_optimizer=False, include_rng=False)
         return self._write(None, flat, {}, state.extra, update_tracker=update_tracker)
 
+    def wait(self) -> None:
+        """Block until a pending async save is written and committed (raises its error, if any)."""
+        self._finalize(blocking=True)
+
     def close(self) -> None:
-        """Finish pending work and release the directory's writer lock."""
-        self._lock.release()
+        """Commit a pending async save and release the directory's writer lock."""
+        try:
+            self._finalize(blocking=True)
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -218,7 +257,32 @@ class Checkpointer:
         metrics: Mapping[str, float],
         extra: Mapping[str, Any],
         update_tracker: bool = True,
+        background: bool = False,
     ) -> str:
+        pending = self._prepare(iteration, flat, metrics, extra, update_tracker)
+        if background:
+            pending.flat = self._buffers.snapshot(flat)
+            self.last_stall_seconds = time.perf_counter() - pending.start
+            pending.writer = BackgroundWrite(lambda: self._write_files(pending)).start()
+            self._pending = pending
+            log.info("async save of %s: training resumed after %.3f s", pending.final, self.last_stall_seconds)
+            return pending.final
+        try:
+            records: Any = self._write_files(pending)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - agreed on and re-raised on every rank by _finish
+            records, error = None, exc
+        return self._finish(pending, records, error)
+
+    def _prepare(
+        self,
+        iteration: int | None,
+        flat: FlatState,
+        metrics: Mapping[str, float],
+        extra: Mapping[str, Any],
+        update_tracker: bool,
+    ) -> _PendingSave:
+        """Collective: agree on a fresh temporary directory (rank 0 creates it)."""
         start = time.perf_counter()
         rank = _comm.rank()
         flat.common["config"] = self.config
@@ -233,15 +297,28 @@ class Checkpointer:
             self.topology,
             thread_count=self.thread_count,
             distributed_optimizer=flat.common.get("distributed_optimizer", False),
+            process_group=self._async_group if self.async_save else None,
         )
+        final = self.storage.join(self.root, name)
+        return _PendingSave(iteration, final, ctx, flat, needed, dict(metrics), dict(extra), update_tracker, start)
+
+    def _finish(self, pending: _PendingSave, records: Any, error: BaseException | None) -> str:
+        """Collective: agree on the outcome of the writes, then rank 0 commits and applies retention."""
+        rank = _comm.rank()
+        tmp = pending.ctx.directory
+
+        def outcome() -> Any:
+            if error is not None:
+                raise error
+            return records
+
         try:
-            records = _comm.agree(lambda: self._write_files(ctx, flat, needed), "writing checkpoint data")
+            records = _comm.agree(outcome, "writing checkpoint data")
             all_records = _comm.gather_to(records, 0)
-            seconds = time.perf_counter() - start
-            meta = self._metadata(iteration, all_records, metrics, extra, seconds)
-            final = self.storage.join(self.root, name)
+            seconds = time.perf_counter() - pending.start
+            meta = self._metadata(pending.iteration, all_records, pending.metrics, pending.extra, seconds)
             _comm.agree(
-                lambda: self._commit(tmp, final, meta, update_tracker) if rank == 0 else None,
+                lambda: self._commit(tmp, pending.final, meta, pending.update_tracker) if rank == 0 else None,
                 "committing the checkpoint",
             )
         except BaseException:
@@ -250,8 +327,23 @@ class Checkpointer:
             raise
         if rank == 0:
             self._apply_retention()
-        self._record_timing(start, meta, final)
-        return final
+        self._record_timing(pending.start, meta, pending.final)
+        return pending.final
+
+    def _finalize(self, blocking: bool) -> None:
+        """Commit the pending async save once every rank's background write is done."""
+        pending = self._pending
+        if pending is None or pending.writer is None:
+            return
+        if blocking:
+            pending.writer.wait()
+        elif not all(_comm.all_gather(pending.writer.done())):
+            return
+        pending.writer.wait()
+        self._pending = None
+        self.last_background_seconds = pending.writer.seconds
+        self._finish(pending, pending.writer.result, pending.writer.error)
+        log.info("async save %s committed; background write took %.2f s", pending.final, pending.writer.seconds)
 
     def _begin(self, name: str, needed: int) -> str:
         if not self._lock.held:
@@ -265,16 +357,18 @@ class Checkpointer:
             )
         return commit.begin(self.storage, self.root, name)
 
-    def _write_files(self, ctx: FormatContext, flat: FlatState, needed: int) -> dict[str, Any]:
+    def _write_files(self, pending: _PendingSave) -> dict[str, Any]:
+        """This rank's files and their records (runs on the background thread for async saves)."""
         rank = _comm.rank()
+        ctx = pending.ctx
         try:
             faults.hit("before-data", rank)
-            files = self.format.save(ctx, flat)
+            files = self.format.save(ctx, pending.flat)
             faults.hit("mid-data", rank)
             records = {f: record_file(self.storage, self.storage.join(ctx.directory, f)) for f in files}
             faults.hit("after-data", rank)
         except (OSError, RuntimeError) as exc:
-            storage_error = as_storage_error(exc, ctx.directory, needed)
+            storage_error = as_storage_error(exc, ctx.directory, pending.needed)
             if storage_error is None:
                 raise
             raise storage_error from exc
@@ -370,6 +464,7 @@ class Checkpointer:
             CorruptCheckpointError: a file is missing, truncated or fails its checksum.
             TopologyMismatchError: the checkpoint cannot be loaded at this layout.
         """
+        self._finalize(blocking=True)
         verify = self.verify if verify is None else verify
         rank = _comm.rank()
         found = _comm.broadcast(

@@ -72,7 +72,7 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
         return RestrictedUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CorruptCheckpointError(
             f"{where} cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
         ) from None

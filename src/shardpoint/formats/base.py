@@ -32,6 +32,7 @@ class FormatContext:
     strict: bool = True
     thread_count: int = 1
     distributed_optimizer: bool = False
+    process_group: Any = None  # for DCP's collectives; a dedicated one for background saves
 
 
 @dataclass

@@ -129,7 +129,12 @@ class DistFormat:
         writer = FileSystemWriter(directory, sync_files=True, thread_count=ctx.thread_count)
         state_dict = {key: shard.tensor for key, shard in flat.tensors.items()}
         with _dcp_errors(directory):
-            dcp.save(state_dict, storage_writer=writer, planner=ShardSavePlanner(flat.tensors))
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=ShardSavePlanner(flat.tensors),
+                process_group=ctx.process_group,
+            )
         files = [n for n in os.listdir(directory) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
         if flat.per_rank:
             write_torch_file(flat.per_rank, os.path.join(directory, rng_file(rank)))
