@@ -1,0 +1,171 @@
+"""``shardpoint export``: model weights out of a training checkpoint.
+
+* ``--to safetensors``: one flat ``.safetensors`` file of the full model tensors,
+  keys without the ``model.`` prefix, for any tool that reads safetensors.
+* ``--to release``: a Megatron *release* checkpoint (weights only, ``release/`` and a
+  tracker saying ``release``), which ``Checkpointer.load`` loads in finetune mode.
+* ``--to hf``: a Hugging Face model directory, via ``shardpoint.demo.hf.export_hf``.
+
+safetensors stores metadata as strings only and reserves the name ``__metadata__``
+(safetensors issue 849: such a file could be written but not read back), so names
+and metadata are validated before anything is written; the file is written under a
+temporary name and renamed, so a failed export leaves no half file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardpoint import offline
+from shardpoint.commands._hf import hf_function
+from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes
+from shardpoint.errors import CheckpointError
+from shardpoint.state import MODEL_PREFIX
+
+__all__ = ["DTYPES", "add_parser", "model_tensors", "run", "write_safetensors"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+RESERVED = "__metadata__"
+
+EXAMPLES = """examples:
+  shardpoint export runs/gpt --to safetensors model.safetensors --dtype bf16
+  shardpoint export runs/gpt --to release runs/gpt-release --iteration 200
+  shardpoint export runs/gpt --to hf ./hf-model
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="export model weights: safetensors, a release checkpoint, or Hugging Face",
+        description="Export the model weights of a checkpoint (optimizer state and RNG are left out).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("src", metavar="SRC", help="a save directory or one checkpoint")
+    parser.add_argument("--to", required=True, choices=("safetensors", "release", "hf"), help="what to write")
+    parser.add_argument(
+        "out",
+        metavar="OUT",
+        help="safetensors: a file (or a directory for model.safetensors); release, hf: a directory",
+    )
+    parser.add_argument("--iteration", type=int, metavar="N", help="which checkpoint of SRC (default: the tracker's)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as saved)")
+    add_output_flags(parser)
+    parser.set_defaults(func=run)
+
+
+@guarded
+def run(args: argparse.Namespace) -> int:
+    out = Output(args)
+    if args.to == "hf":
+        export_hf = hf_function("export_hf")
+        written = export_hf(args.src, args.out, args.iteration, args.dtype)
+        out.emit_json({"to": "hf", "source": os.path.abspath(args.src), "destination": str(written or args.out)})
+        out.print(f"exported {args.src} to {written or args.out} (Hugging Face)")
+        return EXIT_OK
+    with out.progress() as progress:
+        full = offline.read_full(args.src, args.iteration, progress=progress)
+        tensors = model_tensors(full.tensors, DTYPES.get(args.dtype), full.path)
+        if args.to == "safetensors":
+            written = write_safetensors(tensors, args.out, _safetensors_metadata(full))
+        else:
+            written = _write_release(full, tensors, args.out, progress)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    out.emit_json(
+        {
+            "to": args.to,
+            "source": full.path,
+            "destination": written,
+            "tensors": len(tensors),
+            "bytes": size,
+            "dtype": args.dtype,
+        }
+    )
+    out.print(f"exported {len(tensors)} tensors ({human_bytes(size)}) from {full.path} to {written}")
+    return EXIT_OK
+
+
+def model_tensors(
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, where: str
+) -> dict[str, torch.Tensor]:
+    """The ``model.*`` tensors, prefix kept, floating-point ones cast to ``dtype`` when given."""
+    found = {
+        key: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
+        for key, t in tensors.items()
+        if key.startswith(MODEL_PREFIX)
+    }
+    if not found:
+        raise CheckpointError(f"{where} holds no model tensors (no key starts with {MODEL_PREFIX!r}); nothing to do")
+    return found
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str, metadata: Mapping[str, str]) -> str:
+    """Write ``tensors`` (``model.`` prefix removed) to ``out`` atomically; returns the file written.
+
+    Raises:
+        ValueError: a tensor name or metadata entry safetensors cannot store or read back.
+        CheckpointError: ``out`` exists already.
+    """
+    from safetensors.torch import save_file
+
+    flat = {key[len(MODEL_PREFIX) :]: t for key, t in tensors.items()}
+    _validate_names(flat, metadata)
+    path = os.path.join(out, "model.safetensors") if os.path.isdir(out) or out.endswith(os.sep) else out
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        raise CheckpointError(f"{path} exists already; remove it or choose another output name")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        save_file(flat, tmp, metadata=dict(metadata))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _validate_names(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    for name in tensors:
+        if not name or name == RESERVED:
+            raise ValueError(f"tensor name {name!r} cannot be stored in safetensors (empty or reserved {RESERVED!r})")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"safetensors metadata must map strings to strings; {key!r}: {value!r} does not")
+
+
+def _safetensors_metadata(full: offline.FullCheckpoint) -> dict[str, str]:
+    meta = full.metadata
+    return {
+        "format": "pt",
+        "shardpoint.source": full.path,
+        "shardpoint.iteration": "release" if meta.release else str(meta.iteration),
+        "shardpoint.config": json.dumps(meta.config, sort_keys=True),
+    }
+
+
+def _write_release(full: offline.FullCheckpoint, tensors: dict[str, torch.Tensor], out: str, progress: Any) -> str:
+    meta = full.metadata
+    offline.refuse_writing_into_source(full.path, out)
+    return offline.write_checkpoint(
+        out,
+        None,
+        tensors,
+        full.common,
+        meta.topology["tp"],
+        meta.topology["pp"],
+        meta.format,
+        meta.layout,
+        full.split_dims,
+        release=True,
+        config=meta.config,
+        stages=full.stages,
+        progress=progress,
+    )

@@ -1,0 +1,124 @@
+"""``shardpoint prune``: delete old checkpoints by the library's retention rules.
+
+The rules are the ones a :class:`~shardpoint.Checkpointer` applies after each save
+(``keep_last`` = :class:`~shardpoint.LatestN`, ``keep_every`` =
+:class:`~shardpoint.KeepEvery`, decided by :func:`shardpoint.policy.select_for_deletion`),
+so pruning by hand keeps what the job would have kept. Never deleted: the
+checkpoint the tracker names (a resume needs it), ``release/``, and directories
+without a marker (possibly a save in progress; ``verify --all`` reports them).
+Leftover temporary directories of interrupted saves are removed too.
+
+Run it while no job saves into the directory: a save that starts meanwhile could
+be taken for a leftover.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from shardpoint import commit, offline
+from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes, new_table
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.policy import CheckpointInfo, KeepEvery, LatestN, PreservationPolicy, select_for_deletion
+from shardpoint.storage import LocalStorage
+
+__all__ = ["add_parser", "plan", "run"]
+
+EXAMPLES = """examples:
+  shardpoint prune runs/gpt --keep-last 3 --dry-run     # show what would go
+  shardpoint prune runs/gpt --keep-last 3 --keep-every 1000
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "prune",
+        help="delete old checkpoints (keep the last N, every K-th)",
+        description="Delete checkpoints that the retention rules do not keep. The tracker's checkpoint and "
+        "release/ are never deleted.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("directory", metavar="DIR", help="the save directory")
+    parser.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the newest N checkpoints")
+    parser.add_argument(
+        "--keep-every", type=int, metavar="K", help="also keep every checkpoint whose iteration is a multiple of K"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
+    add_output_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def plan(root: str, policies: list[PreservationPolicy]) -> dict[str, Any]:
+    """What pruning ``root`` would delete and keep, and why; touches nothing.
+
+    Raises:
+        CorruptCheckpointError: the tracker cannot be read, so what it protects is unknown.
+    """
+    storage = LocalStorage(root)
+    layout = offline.find_layout(root) if storage.is_dir(root) else None
+    listed = commit.list_checkpoints(storage, root, layout) if layout else []
+    found, tracked = commit.read_tracker(storage, root, layout) if layout else (False, None)
+    if not listed and not found:
+        offline.resolve(root)  # raises the one-sentence "not a checkpoint" error
+    if found and not any(e.committed and e.iteration == tracked for e in listed):
+        raise CorruptCheckpointError(
+            f"the tracker {layout.tracker_name} under {root} names {layout.dir_name(tracked)}, which is not a "
+            "committed checkpoint; fix the tracker first, since pruning keeps what it names"
+        )
+    entries = {e.iteration: e for e in listed if e.committed and e.iteration is not None}
+    infos = [CheckpointInfo(it, e.meta.metrics) for it, e in sorted(entries.items())]
+    doomed = set(select_for_deletion(infos, policies, {tracked} if tracked is not None else set()))
+    rows = []
+    for iteration, entry in sorted(entries.items()):
+        reason = "tracker" if iteration == tracked else "retention" if iteration not in doomed else None
+        rows.append(
+            {
+                "name": entry.name,
+                "iteration": iteration,
+                "bytes": entry.meta.total_bytes,
+                "delete": iteration in doomed,
+                "kept_by": reason,
+            }
+        )
+    leftovers = [n for n in storage.listdir(root) if n.startswith((commit.TMP_PREFIX, commit.TRASH_PREFIX))]
+    return {"directory": root, "checkpoints": rows, "leftovers": leftovers}
+
+
+@guarded
+def run(args: argparse.Namespace) -> int:
+    out = Output(args)
+    root = os.path.abspath(args.directory)
+    policies: list[PreservationPolicy] = [LatestN(args.keep_last)]
+    if args.keep_every is not None:
+        policies.append(KeepEvery(args.keep_every))
+    report = plan(root, policies)
+    storage = LocalStorage(root)
+    if not args.dry_run:
+        for row in report["checkpoints"]:
+            if row["delete"]:
+                storage.remove(storage.join(root, row["name"]))
+        commit.clean_leftovers(storage, root)
+    report["dry_run"] = args.dry_run
+    out.emit_json(report)
+    _print(out, report)
+    return EXIT_OK
+
+
+def _print(out: Output, report: dict[str, Any]) -> None:
+    verb = "would delete" if report["dry_run"] else "deleted"
+    table = new_table("checkpoint", "size", "action")
+    for row in report["checkpoints"]:
+        action = f"[red]{verb}[/red]" if row["delete"] else f"keep ({row['kept_by']})"
+        table.add_row(row["name"], human_bytes(row["bytes"]), action)
+    out.print(table)
+    for name in report["leftovers"]:
+        out.print(f"{verb} leftover of an interrupted save: {name}")
+    deleted = [r for r in report["checkpoints"] if r["delete"]]
+    freed = sum(r["bytes"] for r in deleted)
+    out.print(
+        f"{verb} {len(deleted)} checkpoint(s), {human_bytes(freed)}"
+        + (" (dry run: nothing was deleted)" if report["dry_run"] else "")
+    )

@@ -1,0 +1,108 @@
+"""Which checkpoint a path means: a checkpoint directory, or a save directory and its tracker."""
+
+from __future__ import annotations
+
+import os
+
+from shardpoint import commit
+from shardpoint.errors import CheckpointError, CorruptCheckpointError
+from shardpoint.formats.dist import COMMON_FILE
+from shardpoint.layout import LAYOUTS, RELEASE, Layout
+from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
+from shardpoint.offline._common import MP_DIR
+from shardpoint.storage import LocalStorage
+
+__all__ = ["find_layout", "is_checkpoint_dir", "looks_like_checkpoint", "resolve"]
+
+
+def resolve(path: str | os.PathLike[str], iteration: int | None = None) -> tuple[str, CheckpointMetadata]:
+    """The checkpoint directory ``path`` means, and its parsed marker.
+
+    ``path`` is either a checkpoint directory (holding ``shardpoint.json``) or a save
+    directory; in a save directory ``iteration`` picks one, else the tracker's, else
+    the newest committed one.
+
+    Raises:
+        CheckpointError: ``path`` is not a checkpoint nor a directory of checkpoints.
+        CorruptCheckpointError: the checkpoint is partial (no marker) or its marker is damaged.
+    """
+    storage = LocalStorage(path)
+    root = storage.root
+    if not storage.is_dir(root):
+        what = "is a file" if storage.exists(root) else "does not exist"
+        raise CheckpointError(f"{root} {what}; pass a checkpoint directory or the directory a job saves into")
+    if is_checkpoint_dir(root):
+        meta = commit.read_marker(storage, root)
+        if iteration is not None and (meta.release or meta.iteration != iteration):
+            raise CheckpointError(
+                f"{root} is one checkpoint (iteration {meta.iteration}); --iteration {iteration} "
+                "applies to the directory above it"
+            )
+        return root, meta
+    layout = find_layout(root)
+    if iteration is None:
+        found, tracked = commit.read_tracker(storage, root, layout)
+        if found:
+            return _tracked(storage, root, layout, tracked)
+        committed = [e for e in commit.list_checkpoints(storage, root, layout) if e.committed]
+        if not committed:
+            raise _nothing_here(storage, root, layout)
+        return committed[-1].path, committed[-1].meta
+    directory = storage.join(root, layout.dir_name(iteration))
+    if not storage.is_dir(directory):
+        raise CheckpointError(f"{directory} does not exist; checkpoints under {root}: {_names(storage, root, layout)}")
+    return directory, commit.read_marker(storage, directory)
+
+
+def is_checkpoint_dir(directory: str) -> bool:
+    """One checkpoint's directory (committed, or partial), as opposed to a save directory holding several."""
+    return os.path.isdir(directory) and (
+        os.path.exists(os.path.join(directory, MARKER_NAME)) or looks_like_checkpoint(directory)
+    )
+
+
+def looks_like_checkpoint(directory: str) -> bool:
+    """A directory named like a checkpoint or holding format files (committed or not)."""
+    name = os.path.basename(os.path.normpath(directory))
+    if name == RELEASE or name.startswith(commit.TMP_PREFIX):
+        return True
+    if any(layout.parse_dir_name(name) is not None for layout in LAYOUTS.values()):
+        return True
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return False
+    return any(e in (".metadata", COMMON_FILE) or MP_DIR.fullmatch(e) for e in entries)
+
+
+def find_layout(root: str) -> Layout:
+    """The layout of a save directory: its tracker's, else its directories'."""
+    return commit.detect_layout(LocalStorage(root), root, LAYOUTS["megatron"])
+
+
+def _tracked(storage: LocalStorage, root: str, layout: Layout, iteration: int | None) -> tuple[str, CheckpointMetadata]:
+    directory = storage.join(root, layout.dir_name(iteration))
+    if not storage.is_dir(directory):
+        raise CorruptCheckpointError(
+            f"the tracker {layout.tracker_name} under {root} names {layout.dir_name(iteration)}, which does not "
+            f"exist; pass --iteration with one of: {_names(storage, root, layout)}"
+        )
+    return directory, commit.read_marker(storage, directory)
+
+
+def _nothing_here(storage: LocalStorage, root: str, layout: Layout) -> CheckpointError:
+    partial = [e.name for e in commit.list_checkpoints(storage, root, layout)]
+    if partial:
+        return CorruptCheckpointError(
+            f"no committed checkpoint under {root}: {', '.join(partial)} "
+            f"have no {MARKER_NAME} (their saves did not finish)"
+        )
+    return CheckpointError(
+        f"{root} is not a checkpoint: it has no {MARKER_NAME} and no checkpoint "
+        "directories (iter_*, global_step*, release) under it"
+    )
+
+
+def _names(storage: LocalStorage, root: str, layout: Layout) -> str:
+    names = [e.name for e in commit.list_checkpoints(storage, root, layout) if e.committed]
+    return ", ".join(names) or "none"

@@ -1,0 +1,298 @@
+"""Reading a whole checkpoint into full-size tensors in one process (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.formats.dist import COMMON_FILE, SafeFileSystemReader, ShardLoadPlanner
+from shardpoint.formats.torch_format import DISTRIB_OPTIM_FILE, MAIN_FILE
+from shardpoint.integrity import verify_files
+from shardpoint.metadata import CheckpointMetadata
+from shardpoint.offline._common import (
+    Box,
+    ProgressFn,
+    layer_of,
+    param_key_of,
+    pp_rank_of,
+    single_process,
+    stage_by_name,
+    stage_from_source,
+)
+from shardpoint.offline._locate import resolve
+from shardpoint.safe_io import safe_torch_load
+from shardpoint.sharding import Shard
+from shardpoint.state import OPTIM_PREFIX
+from shardpoint.storage import LocalStorage
+
+__all__ = ["FullCheckpoint", "TensorInfo", "check_files", "describe_tensors", "infer_split_dims", "read_full"]
+
+log = logging.getLogger(__name__)
+
+_DCP_BATCHES = 20  # dcp.load calls per dist read: enough steps for a progress bar, few enough to stay fast
+
+
+@dataclass
+class FullCheckpoint:
+    """A whole checkpoint in memory; unpacks as ``tensors, common, metadata, split_dims``.
+
+    Attributes:
+        tensors: every tensor at full size under its global key (``model.<key>``,
+            ``optimizer.state.<param key>.<name>``).
+        common: the state every rank shared (iteration, extra, optimizer
+            hyperparameters, scheduler, config).
+        metadata: the source's ``shardpoint.json``.
+        split_dims: per key, the dim the saved pieces were split along (None: whole).
+        stages: per key without a layer number: ``"first"``, ``"last"`` or ``"both"``
+            pipeline stages (see the module docstring for the rule).
+        path: the checkpoint directory read.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    common: dict[str, Any]
+    metadata: CheckpointMetadata
+    split_dims: dict[str, int | None]
+    stages: dict[str, str] = field(default_factory=dict)
+    path: str = ""
+
+    def __iter__(self):
+        return iter((self.tensors, self.common, self.metadata, self.split_dims))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """How one tensor is stored: global shape, dtype, bytes, and the boxes saved."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    boxes: tuple[Box, ...]
+    split_dims: tuple[int, ...]
+
+
+# ----------------------------------------------------------------- reading
+
+
+def read_full(
+    path: str | os.PathLike[str],
+    iteration: int | None = None,
+    *,
+    verify: bool = True,
+    progress: ProgressFn | None = None,
+) -> FullCheckpoint:
+    """Every tensor of a checkpoint at full size, with its common state and layout facts.
+
+    Args:
+        path: a checkpoint directory, or a save directory (see :func:`resolve`).
+        iteration: which checkpoint of a save directory (default: the tracker's).
+        verify: check every file's size and checksum before reading.
+        progress: called as files are checked and tensors read.
+
+    Returns:
+        A :class:`FullCheckpoint` (unpacks as ``tensors, common, metadata, split_dims``).
+
+    Raises:
+        CorruptCheckpointError: a file is missing, truncated, fails its checksum, or
+            the pieces of a tensor do not cover it.
+
+    Example:
+        >>> tensors, common, meta, split_dims = read_full("runs/gpt", iteration=200)
+    """
+    directory, meta = resolve(path, iteration)
+    if verify:
+        check_files(directory, meta, progress)
+    reader = _read_dist if meta.format == "dist" else _read_torch
+    tensors, common, boxes, stages = reader(directory, meta, progress)
+    split_dims = infer_split_dims(tensors, boxes)
+    return FullCheckpoint(tensors, common, meta, split_dims, stages, directory)
+
+
+def check_files(directory: str, meta: CheckpointMetadata, progress: ProgressFn | None = None) -> None:
+    """Verify every recorded file, raising one error that names each bad one."""
+    storage = LocalStorage(directory)
+    names = sorted(meta.files)
+    problems = []
+    for done, name in enumerate(names, 1):
+        problems += verify_files(storage, directory, meta, [name])
+        if progress:
+            progress("verifying", done, len(names))
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {directory} is damaged: " + "; ".join(map(str, problems)))
+
+
+def _read_dist(directory: str, meta: CheckpointMetadata, progress: ProgressFn | None):
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    tensors: dict[str, torch.Tensor] = {}
+    boxes: dict[str, set[Box]] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            log.warning(
+                "%s: %r is a pickled object, not a tensor; skipped (shardpoint never unpickles those)", directory, key
+            )
+            continue
+        tensors[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        boxes[key] = {(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks}
+    _check_coverage(directory, tensors, boxes)
+    keys = sorted(tensors)
+    step = max(1, math.ceil(len(keys) / _DCP_BATCHES))
+    for start in range(0, len(keys), step):
+        batch = {k: tensors[k] for k in keys[start : start + step]}
+        shards = {k: Shard(t, tuple(t.shape), (0,) * t.dim()) for k, t in batch.items()}
+        with single_process():
+            dcp.load(
+                batch,
+                storage_reader=SafeFileSystemReader(directory),
+                planner=ShardLoadPlanner(shards, directory),
+                no_dist=True,
+            )
+        if progress:
+            progress("reading", min(start + step, len(keys)), len(keys))
+    common = safe_torch_load(os.path.join(directory, COMMON_FILE))
+    stages = {k: stage_by_name(k) for k in tensors if layer_of(k) is None}
+    return tensors, common, boxes, stages
+
+
+def _read_torch(directory: str, meta: CheckpointMetadata, progress: ProgressFn | None):
+    main_files = sorted(n for n in meta.files if n.endswith("/" + MAIN_FILE))
+    if not main_files:
+        raise CorruptCheckpointError(f"{directory} is a torch-format checkpoint listing no {MAIN_FILE} files")
+    assembler = _Assembler(directory)
+    held_by: dict[str, set[int]] = {}
+    common: dict[str, Any] | None = None
+    for done, name in enumerate(main_files, 1):
+        folder = name.split("/")[0]
+        payload = safe_torch_load(os.path.join(directory, name), mmap=True)
+        common = payload.get("common", {}) if common is None else common
+        sharding = payload.get("sharding", {})
+        stage = pp_rank_of(folder)
+        for key, tensor in {**payload.get("model", {}), **payload.get("optimizer", {})}.items():
+            box = sharding.get(key, {"global_shape": list(tensor.shape), "global_offset": [0] * tensor.dim()})
+            assembler.place(key, tensor, box["global_offset"], box["global_shape"], split_box=True)
+            held_by.setdefault(key, set()).add(stage)
+        if f"{folder}/{DISTRIB_OPTIM_FILE}" in meta.files:
+            pieces = safe_torch_load(os.path.join(directory, folder, DISTRIB_OPTIM_FILE), mmap=True)["pieces"]
+            for key, items in pieces.items():
+                for piece in items:
+                    assembler.place(key, piece["tensor"], piece["global_offset"], piece["global_shape"])
+                held_by.setdefault(key, set()).add(stage)
+        if progress:
+            progress("reading", done, len(main_files))
+    tensors, boxes = assembler.finish()
+    pp = meta.topology["pp"]
+    stages = {k: stage_from_source(k, held_by.get(k, set()), pp) for k in tensors if layer_of(k) is None}
+    return tensors, common or {}, boxes, stages
+
+
+class _Assembler:
+    """Builds full tensors from boxes, and checks that the boxes cover each tensor."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.covered: dict[str, set[Box]] = {}
+        self.split_boxes: dict[str, set[Box]] = {}
+
+    def place(
+        self, key: str, tensor: torch.Tensor, offset: Iterable[int], shape: Iterable[int], split_box: bool = False
+    ) -> None:
+        offset, shape = tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+        full = self.tensors.get(key)
+        if full is None:
+            full = self.tensors[key] = torch.empty(shape, dtype=tensor.dtype)
+        if tuple(full.shape) != shape or full.dtype != tensor.dtype:
+            raise CorruptCheckpointError(
+                f"{self.where}: pieces of {key!r} disagree: global shape {shape} {tensor.dtype} here, "
+                f"{tuple(full.shape)} {full.dtype} elsewhere"
+            )
+        view = full
+        for dim, (start, size) in enumerate(zip(offset, tensor.shape)):
+            view = view.narrow(dim, start, size)
+        view.copy_(tensor.detach())  # saved Parameters load with requires_grad; the copy must not track it
+        box = (offset, tuple(tensor.shape))
+        self.covered.setdefault(key, set()).add(box)
+        if split_box:
+            self.split_boxes.setdefault(key, set()).add(box)
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, set[Box]]]:
+        _check_coverage(self.where, self.tensors, self.covered)
+        return self.tensors, {k: self.split_boxes.get(k, self.covered[k]) for k in self.tensors}
+
+
+def _check_coverage(where: str, tensors: Mapping[str, torch.Tensor], boxes: Mapping[str, set[Box]]) -> None:
+    for key, tensor in tensors.items():
+        stored = sum(math.prod(size) for _, size in boxes.get(key, ()))
+        if stored != tensor.numel():
+            raise CorruptCheckpointError(
+                f"{where}: the saved pieces of {key!r} hold {stored} of its {tensor.numel()} elements; "
+                "the checkpoint is incomplete or its pieces overlap"
+            )
+
+
+def infer_split_dims(tensors: Mapping[str, torch.Tensor], boxes: Mapping[str, set[Box]]) -> dict[str, int | None]:
+    """Per key, the dim along which its saved boxes differ; optimizer state follows its parameter."""
+    result = {}
+    for key in sorted(tensors, key=lambda k: k.startswith(OPTIM_PREFIX)):  # parameters first
+        param = param_key_of(key)
+        if param is not None and param in tensors and tensors[param].shape == tensors[key].shape:
+            result[key] = result[param]
+        else:
+            result[key] = _differing_dim(key, boxes.get(key, set()))
+    return result
+
+
+def _differing_dim(key: str, boxes: set[Box]) -> int | None:
+    dims = [d for d in range(len(next(iter(boxes))[0])) if len({o[d] for o, _ in boxes}) > 1] if boxes else []
+    if len(dims) > 1:
+        log.warning("%s is split along several dims %s; treating dim %d as its tensor-parallel dim", key, dims, dims[0])
+    return dims[0] if dims else None
+
+
+# ----------------------------------------------------------------- describing
+
+
+def describe_tensors(directory: str, meta: CheckpointMetadata) -> list[TensorInfo]:
+    """Global shape, dtype, bytes and saved boxes of every tensor, without reading tensor data."""
+    if meta.format == "dist":
+        metadata = SafeFileSystemReader(directory).read_metadata()
+        found = {
+            key: (tuple(item.size), item.properties.dtype, {(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks})
+            for key, item in metadata.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata)
+        }
+    else:
+        found = _torch_boxes(directory, meta)
+    infos = []
+    for key, (shape, dtype, boxes) in sorted(found.items()):
+        dims = tuple(d for d in range(len(shape)) if len({o[d] for o, _ in boxes}) > 1)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        infos.append(TensorInfo(key, shape, str(dtype).removeprefix("torch."), nbytes, tuple(sorted(boxes)), dims))
+    return infos
+
+
+def _torch_boxes(directory: str, meta: CheckpointMetadata) -> dict[str, tuple[tuple[int, ...], torch.dtype, set[Box]]]:
+    found: dict[str, tuple[tuple[int, ...], torch.dtype, set[Box]]] = {}
+    for name in sorted(meta.files):
+        path = os.path.join(directory, name)
+        if name.endswith("/" + MAIN_FILE):
+            payload = safe_torch_load(path, mmap=True)
+            for key, tensor in {**payload.get("model", {}), **payload.get("optimizer", {})}.items():
+                box = payload.get("sharding", {}).get(key)
+                shape = tuple(box["global_shape"]) if box else tuple(tensor.shape)
+                offset = tuple(box["global_offset"]) if box else (0,) * tensor.dim()
+                found.setdefault(key, (shape, tensor.dtype, set()))[2].add((offset, tuple(tensor.shape)))
+        elif name.endswith("/" + DISTRIB_OPTIM_FILE):
+            for key, items in safe_torch_load(path, mmap=True)["pieces"].items():
+                for piece in items:
+                    entry = found.setdefault(key, (tuple(piece["global_shape"]), piece["tensor"].dtype, set()))
+                    entry[2].add((tuple(piece["global_offset"]), tuple(piece["tensor"].shape)))
+    return found
