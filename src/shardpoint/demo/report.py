@@ -1,0 +1,131 @@
+"""What ``shardpoint demo`` shows at the end: a table of its phases and a plot of their losses.
+
+Each phase's losses are compared with the uninterrupted reference run at the same
+iterations: a resume at the same layout must be *bit-identical* (weights, optimizer,
+data position and every RNG stream were restored); a resume at another layout is
+only close, because per-rank dropout streams cannot carry over to ranks that hold
+different shards (and reductions round differently).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["PhaseReport", "compare_losses", "plot_losses", "render_table", "summary_json"]
+
+
+@dataclass
+class PhaseReport:
+    """One phase of the demo, as shown in the closing table."""
+
+    name: str
+    layout: tuple[int, int, int]
+    losses: dict[int, float]
+    save_seconds: float
+    bytes_written: int
+    wall_seconds: float
+    comparison: str = "-"
+    note: str = ""
+    exit_codes: list[int | None] = field(default_factory=list)
+
+    @property
+    def layout_text(self) -> str:
+        tp, pp, dp = self.layout
+        return f"tp={tp} pp={pp} dp={dp}"
+
+    @property
+    def layout_short(self) -> str:
+        return "×".join(map(str, self.layout))
+
+    @property
+    def steps_text(self) -> str:
+        if not self.losses:
+            return "-"
+        return f"{min(self.losses)}-{max(self.losses)}"
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[max(self.losses)] if self.losses else None
+
+
+def compare_losses(losses: Mapping[int, float], reference: Mapping[int, float]) -> str:
+    """``"bit-identical"`` when every shared iteration's loss is equal, else the largest difference."""
+    shared = [i for i in losses if i in reference]
+    if not shared:
+        return "-"
+    diff = max(abs(losses[i] - reference[i]) for i in shared)
+    return "bit-identical" if diff == 0.0 else f"max |Δ| {diff:.1e}"
+
+
+def render_table(phases: Sequence[PhaseReport], console: Console) -> None:
+    """Print the closing table (phase, layout, steps, loss, comparison, save seconds, GB written), then notes."""
+    table = Table(title="shardpoint demo", title_justify="left")
+    for column, justify in (
+        ("phase", "left"),
+        ("tp×pp×dp", "left"),
+        ("steps", "right"),
+        ("loss", "right"),
+        ("vs uninterrupted", "left"),
+        ("save s", "right"),
+        ("GB written", "right"),
+    ):
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for phase in phases:
+        loss = f"{phase.final_loss:.4f}" if phase.final_loss is not None else "-"
+        table.add_row(
+            phase.name,
+            phase.layout_short,
+            phase.steps_text,
+            loss,
+            phase.comparison,
+            f"{phase.save_seconds:.2f}",
+            f"{phase.bytes_written / 1e9:.4f}",
+        )
+    console.print(table)
+    for phase in phases:
+        if phase.note:
+            console.print(f"  {phase.name}: {phase.note}", highlight=False)
+
+
+def summary_json(phases: Sequence[PhaseReport], extra: Mapping[str, object]) -> str:
+    """The phases (losses included) and ``extra`` as JSON, for ``--json``."""
+    data = {**extra, "phases": [{**asdict(p), "losses": {str(k): v for k, v in p.losses.items()}} for p in phases]}
+    return json.dumps(data, indent=1)
+
+
+def plot_losses(phases: Sequence[PhaseReport], reference: Mapping[int, float], path: str) -> None:
+    """Write the uninterrupted, resumed and resharded loss curves to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    its = sorted(reference)
+    ax.plot(its, [reference[i] for i in its], color="0.6", linewidth=3, label="uninterrupted", zorder=1)
+    for phase in phases:
+        xs = sorted(phase.losses)
+        if xs:
+            ax.plot(
+                xs,
+                [phase.losses[i] for i in xs],
+                marker=".",
+                markersize=4,
+                linewidth=1,
+                label=f"{phase.name} ({phase.layout_text})",
+                zorder=2,
+            )
+            if xs[0] > 1:
+                ax.axvline(xs[0] - 0.5, color="0.8", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training loss")
+    ax.set_title("Preempted, resumed and resharded vs uninterrupted")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
