@@ -8,8 +8,9 @@ checkpoint the tracker names (a resume needs it), ``release/``, and directories
 without a marker (possibly a save in progress; ``verify --all`` reports them).
 Leftover temporary directories of interrupted saves are removed too.
 
-Run it while no job saves into the directory: a save that starts meanwhile could
-be taken for a leftover.
+Pruning takes the directory's writer lock (:mod:`shardpoint.lock`), so it refuses to
+run while a job saves there: that job's save in progress would look like a leftover.
+``--dry-run`` only reads.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from shardpoint import commit, offline
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes, new_table
 from shardpoint.errors import CorruptCheckpointError
+from shardpoint.lock import DirectoryLock
 from shardpoint.policy import CheckpointInfo, KeepEvery, LatestN, PreservationPolicy, select_for_deletion
 from shardpoint.storage import LocalStorage
 
@@ -94,17 +96,28 @@ def run(args: argparse.Namespace) -> int:
     policies: list[PreservationPolicy] = [LatestN(args.keep_last)]
     if args.keep_every is not None:
         policies.append(KeepEvery(args.keep_every))
-    report = plan(root, policies)
-    storage = LocalStorage(root)
-    if not args.dry_run:
-        for row in report["checkpoints"]:
-            if row["delete"]:
-                storage.remove(storage.join(root, row["name"]))
-        commit.clean_leftovers(storage, root)
+    if args.dry_run:
+        report = plan(root, policies)
+    else:
+        lock = DirectoryLock(root)
+        lock.acquire()  # refuses while a job saves here: its save in progress looks like a leftover
+        try:
+            report = plan(root, policies)
+            _delete(root, report)
+        finally:
+            lock.release()
     report["dry_run"] = args.dry_run
     out.emit_json(report)
     _print(out, report)
     return EXIT_OK
+
+
+def _delete(root: str, report: dict[str, Any]) -> None:
+    storage = LocalStorage(root)
+    for row in report["checkpoints"]:
+        if row["delete"]:
+            storage.remove(storage.join(root, row["name"]))
+    commit.clean_leftovers(storage, root)
 
 
 def _print(out: Output, report: dict[str, Any]) -> None:

@@ -17,7 +17,8 @@ from shardpoint.errors import CheckpointError
 from shardpoint.formats import FormatContext, get_format
 from shardpoint.integrity import record_file
 from shardpoint.layout import Layout, get_layout
-from shardpoint.metadata import CheckpointMetadata
+from shardpoint.lock import DirectoryLock
+from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, single_process, stage_by_name
 from shardpoint.sharding import Shard, divide
 from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX, FlatState
@@ -86,25 +87,42 @@ def write_checkpoint(
         else [(Topology(1, 1, 1, rank=0), FlatState(_full_shards(tensors), common, {}))]
     )
     start = time.perf_counter()
-    tmp = commit.begin(storage, storage.root, name)
+    lock = DirectoryLock(storage.root)
+    lock.acquire()  # one writer per directory: a job saving there, or another conversion, is refused
     try:
-        files = []
-        for done, (topo, flat) in enumerate(flats, 1):
-            ctx = FormatContext(storage, tmp, topo, distributed_optimizer=bool(common.get("distributed_optimizer")))
-            with single_process():
-                files += fmt.save(ctx, flat)
-            if progress:
-                progress("writing", done, len(flats))
-        records = {f: record_file(storage, storage.join(tmp, f)) for f in files}
-        meta = _metadata(iteration, release, format, lay, tp, pp, common, records, metrics, start)
-        commit.publish(storage, tmp, final, meta)
-    except BaseException:
-        storage.remove(tmp)
-        raise
-    if update_tracker:
-        commit.write_tracker(storage, storage.root, lay, None if release else iteration)
+        tmp = commit.begin(storage, storage.root, name)
+        try:
+            records = _write_files(storage, tmp, fmt, flats, bool(common.get("distributed_optimizer")), progress)
+            meta = _metadata(iteration, release, format, lay, tp, pp, common, records, metrics, start)
+            commit.publish(storage, tmp, final, meta)
+        except BaseException:
+            storage.remove(tmp)
+            raise
+        if update_tracker:
+            commit.write_tracker(storage, storage.root, lay, None if release else iteration)
+    finally:
+        lock.release()
     log.info("wrote %s (%s format, tp=%d pp=%d, %d tensors)", final, format, tp, pp, len(tensors))
     return final
+
+
+def _write_files(
+    storage: LocalStorage,
+    tmp: str,
+    fmt: Any,
+    flats: list[tuple[Topology, FlatState]],
+    distributed_optimizer: bool,
+    progress: ProgressFn | None,
+) -> dict[str, FileRecord]:
+    """Each model-parallel rank's files, written by the format itself, with their checksums."""
+    files = []
+    for done, (topo, flat) in enumerate(flats, 1):
+        ctx = FormatContext(storage, tmp, topo, distributed_optimizer=distributed_optimizer)
+        with single_process():
+            files += fmt.save(ctx, flat)
+        if progress:
+            progress("writing", done, len(flats))
+    return {f: record_file(storage, storage.join(tmp, f)) for f in files}
 
 
 def _require_one_process() -> None:
@@ -167,8 +185,7 @@ def _tp_piece(key: str, tensor: torch.Tensor, dim: int | None, tp_rank: int, tp:
     size = divide(tensor.shape[dim], tp, f"{key} (dim {dim})")
     offset = [0] * tensor.dim()
     offset[dim] = size * tp_rank
-    # clone: torch.save of a view would write the whole underlying storage
-    return Shard(tensor.narrow(dim, size * tp_rank, size).clone(), tuple(tensor.shape), tuple(offset))
+    return Shard(tensor.narrow(dim, size * tp_rank, size), tuple(tensor.shape), tuple(offset))
 
 
 def _stage_placement(tensors: Mapping[str, torch.Tensor], pp: int, stages: Mapping[str, str]) -> dict[str, set[int]]:
