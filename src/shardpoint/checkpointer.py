@@ -37,7 +37,7 @@ from shardpoint.errors import (
     StorageError,
 )
 from shardpoint.formats import FormatContext, Loaded, get_format
-from shardpoint.integrity import record_file, verify_files
+from shardpoint.integrity import verify_files
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata
@@ -363,9 +363,8 @@ class Checkpointer:
         ctx = pending.ctx
         try:
             faults.hit("before-data", rank)
-            files = self.format.save(ctx, pending.flat)
+            records = self.format.save(ctx, pending.flat)
             faults.hit("mid-data", rank)
-            records = {f: record_file(self.storage, self.storage.join(ctx.directory, f)) for f in files}
             faults.hit("after-data", rank)
         except (OSError, RuntimeError) as exc:
             storage_error = as_storage_error(exc, ctx.directory, pending.needed)

@@ -2,7 +2,7 @@
 
 Call order on a save (every rank calls ``save``; the Checkpointer commits):
 ``save(ctx, flat)`` writes this rank's files into ``ctx.directory`` and returns their
-names. On a load every rank calls ``load(ctx, flat, meta)``, which fills
+names with size and checksum. On a load every rank calls ``load(ctx, flat, meta)``, which fills
 ``flat.tensors`` in place and returns the common and per-rank state it read.
 """
 
@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from shardpoint.metadata import CheckpointMetadata
+from shardpoint.integrity import HashingWriter
+from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.state import FlatState
 from shardpoint.storage import Storage
 from shardpoint.topology import Topology
@@ -52,8 +53,8 @@ class Loaded:
 class CheckpointFormat(Protocol):
     name: str
 
-    def save(self, ctx: FormatContext, flat: FlatState) -> list[str]:
-        """Write this rank's part; return file names relative to ``ctx.directory``."""
+    def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
+        """Write this rank's part; return its files (relative to ``ctx.directory``) with size and checksum."""
         ...
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
@@ -65,12 +66,17 @@ class CheckpointFormat(Protocol):
         ...
 
 
-def write_torch_file(obj: Any, path: str) -> None:
-    """``torch.save`` then fsync: the commit marker may vouch for the file only once it is durable."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def write_torch_file(obj: Any, path: str) -> FileRecord:
+    """``torch.save`` then fsync (the marker may vouch for the file only once it is durable).
+
+    Returns the file's size and checksum, computed while writing.
+    """
+    with open(path, "wb") as raw:
+        writer = HashingWriter(raw)
+        torch.save(obj, writer)
+        writer.flush()
+        os.fsync(raw.fileno())
+    return writer.record()
 
 
 def unexpected_keys(saved: set[str], wanted: set[str]) -> list[str]:

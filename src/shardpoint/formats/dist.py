@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -42,7 +43,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardpoint import _comm
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats.base import FormatContext, Loaded, unexpected_keys, write_torch_file
-from shardpoint.metadata import CheckpointMetadata
+from shardpoint.integrity import HashingWriter
+from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.safe_io import load_dcp_metadata, safe_torch_load
 from shardpoint.sharding import Shard
 from shardpoint.state import FlatState
@@ -117,16 +119,57 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+class HashingFileSystem(FileSystem):
+    """DCP's local filesystem, recording size and checksum of every file it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, FileRecord] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as raw:
+            writer = HashingWriter(raw)
+            yield writer
+            writer.flush()
+        with self._lock:
+            self.records[os.fspath(path)] = writer.record()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if os.fspath(path) in self.records:
+                self.records[os.fspath(new_path)] = self.records.pop(os.fspath(path))
+
+
+class HashingFileSystemWriter(FileSystemWriter):
+    """DCP's FileSystemWriter whose files are checksummed while they are written."""
+
+    def __init__(self, path: str, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = HashingFileSystem()
+
+    def records(self) -> dict[str, FileRecord]:
+        """This rank's files, relative to the checkpoint directory."""
+        root = os.fspath(self.path)
+        return {os.path.relpath(p, root): r for p, r in self.fs.records.items()}
+
+
 class DistFormat:
     """``format="dist"``: sharded, deduplicated, reshardable on load."""
 
     name = "dist"
 
-    def save(self, ctx: FormatContext, flat: FlatState) -> list[str]:
+    def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         rank = _comm.rank()
         directory = ctx.directory
         os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-        writer = FileSystemWriter(directory, sync_files=True, thread_count=ctx.thread_count)
+        writer = HashingFileSystemWriter(directory, sync_files=True, thread_count=ctx.thread_count)
         state_dict = {key: shard.tensor for key, shard in flat.tensors.items()}
         with _dcp_errors(directory):
             dcp.save(
@@ -135,13 +178,11 @@ class DistFormat:
                 planner=ShardSavePlanner(flat.tensors),
                 process_group=ctx.process_group,
             )
-        files = [n for n in os.listdir(directory) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+        files = writer.records()
         if flat.per_rank:
-            write_torch_file(flat.per_rank, os.path.join(directory, rng_file(rank)))
-            files.append(rng_file(rank))
+            files[rng_file(rank)] = write_torch_file(flat.per_rank, os.path.join(directory, rng_file(rank)))
         if rank == 0:
-            write_torch_file(flat.common, os.path.join(directory, COMMON_FILE))
-            files += [COMMON_FILE, DCP_METADATA]
+            files[COMMON_FILE] = write_torch_file(flat.common, os.path.join(directory, COMMON_FILE))
         return files
 
     def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:

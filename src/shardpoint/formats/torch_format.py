@@ -28,7 +28,7 @@ import torch
 from shardpoint import _comm
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
 from shardpoint.formats.base import FormatContext, Loaded, unexpected_keys, write_torch_file
-from shardpoint.metadata import CheckpointMetadata
+from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.safe_io import safe_torch_load
 from shardpoint.sharding import Shard, copy_overlap
 from shardpoint.state import OPTIM_PREFIX, FlatState
@@ -48,7 +48,7 @@ class TorchFormat:
 
     name = "torch"
 
-    def save(self, ctx: FormatContext, flat: FlatState) -> list[str]:
+    def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         topo = ctx.topology
         folder = topo.mp_rank_name
         dp_sharded = {k: s for k, s in flat.tensors.items() if ctx.distributed_optimizer and k.startswith(OPTIM_PREFIX)}
@@ -58,7 +58,7 @@ class TorchFormat:
         rng_states = _comm.gather_to(flat.per_rank.get("rng"), dp_root, group)
         pieces = _comm.gather_to(_pieces(dp_sharded), dp_root, group) if dp_sharded else None
         if topo.dp_rank != 0:
-            return []
+            return {}
         os.makedirs(os.path.join(ctx.directory, folder), exist_ok=True)
         payload = {
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -75,15 +75,17 @@ class TorchFormat:
             "config_json": json.dumps(flat.common.get("config", {})),
             "topology": topo.describe(),
         }
-        files = [f"{folder}/{MAIN_FILE}"]
-        write_torch_file(payload, os.path.join(ctx.directory, files[0]))
+        main_name = f"{folder}/{MAIN_FILE}"
+        files = {main_name: write_torch_file(payload, os.path.join(ctx.directory, main_name))}
         if pieces is not None:
             merged: dict[str, list[dict[str, Any]]] = {}
             for rank_pieces in pieces:
                 for key, items in rank_pieces.items():
                     merged.setdefault(key, []).extend(items)
-            files.append(f"{folder}/{DISTRIB_OPTIM_FILE}")
-            write_torch_file({"pieces": merged, "dp_size": topo.dp_size}, os.path.join(ctx.directory, files[-1]))
+            name = f"{folder}/{DISTRIB_OPTIM_FILE}"
+            files[name] = write_torch_file(
+                {"pieces": merged, "dp_size": topo.dp_size}, os.path.join(ctx.directory, name)
+            )
         return files
 
     def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:

@@ -1,0 +1,479 @@
+"""``shardpoint bench``: shardpoint against the limits of the machine and the baselines users would pick.
+
+Every number is a median over ``--repeat`` rounds, and every comparison is the median
+of *per-round ratios* between methods run back to back in the same round (their
+order rotates each round), because a shared disk varies several-fold between
+identical writes. Each target directory is measured separately; by default a
+RAM-backed folder (``/dev/shm``: the software's own cost) beside the real disk.
+
+The state is synthetic and GPT-like: fp32 weights plus two Adam moments, split
+evenly over ``--ranks`` gloo processes along dim 0 (tensor parallel), ``--size``
+bytes in total. Resharded loading is measured by ``ranks // 2`` processes, against a
+same-layout load at that rank count in the same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BenchConfig", "add_parser", "parse_size", "run_bench"]
+
+GPT_SHAPES = [("attn.qkv", (3, 1)), ("attn.proj", (1, 1)), ("mlp.fc1", (4, 1)), ("mlp.fc2", (1, 4))]
+
+
+@dataclass
+class BenchConfig:
+    size: int
+    ranks: int
+    repeat: int
+    dirs: list[str]
+    json: bool = False
+    quiet: bool = False
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not like 64MB, 1GB or 512KiB")
+    unit = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[match.group(2).upper()]
+    if (match.group(3) or "").lower() == "ib":
+        unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[match.group(2).upper()]
+    return int(float(match.group(1)) * unit)
+
+
+# ------------------------------------------------------------------ the state
+def synthetic_state(total_bytes: int, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's shard of a GPT-like model's weights and Adam moments (fp32).
+
+    The shapes depend on ``total_bytes`` only, so checkpoints written by ``world``
+    ranks and by ``world // 2`` ranks hold the same global tensors.
+    """
+    elements_per_h2 = sum(a * b for _, (a, b) in GPT_SHAPES)
+    hidden = next((h for h in (512, 256, 128) if elements_per_h2 * h * h * 12 <= total_bytes / 2), 64)
+    layers = max(1, round(total_bytes / (elements_per_h2 * hidden * hidden * 12)))
+    gen = torch.Generator().manual_seed(rank)
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        for name, (rows, cols) in GPT_SHAPES:
+            shape = (rows * hidden // world, cols * hidden)
+            for kind in ("weight", "exp_avg", "exp_avg_sq"):
+                state[f"layers.{layer}.{name}.{kind}"] = torch.rand(shape, generator=gen)
+    return state
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in state.values())
+
+
+# ------------------------------------------------------------------- methods
+class Methods:
+    """One rank's operations; each returns when this rank's part is done (callers barrier)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], root: str, rank: int, world: int):
+        self.state, self.root, self.rank, self.world = state, root, rank, world
+        self.buffers = {k: torch.empty_like(t) for k, t in state.items()}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def fresh(self, name: str) -> str:
+        path = self.path(name)
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        return path
+
+    def memcopy(self) -> None:
+        for key, tensor in self.state.items():
+            self.buffers[key].copy_(tensor)
+
+    def raw_write(self) -> None:
+        path = f"{self.fresh('raw')}/rank{self.rank}.bin"
+        with open(path, "wb", buffering=0) as f:
+            for tensor in self.state.values():
+                f.write(memoryview(tensor.numpy()).cast("B"))
+            os.fsync(f.fileno())
+
+    def raw_read(self) -> None:
+        with open(self.path(f"raw/rank{self.rank}.bin"), "rb", buffering=0) as f:
+            for tensor in self.buffers.values():
+                f.readinto(memoryview(tensor.numpy()).cast("B"))
+
+    def torch_save(self) -> None:
+        path = f"{self.fresh('torch')}/rank{self.rank}.pt"
+        with open(path, "wb") as f:
+            torch.save(self.state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def torch_load(self) -> None:
+        loaded = torch.load(self.path(f"torch/rank{self.rank}.pt"), weights_only=True)
+        for key, tensor in loaded.items():
+            self.buffers[key].copy_(tensor)
+
+    def _dtensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (self.world,))
+        return {k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for k, t in tensors.items()}
+
+    def dcp_save(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._dtensors(self.state), checkpoint_id=self.fresh("dcp"))
+
+    def dcp_async_save(self) -> tuple[float, Callable[[], None]]:
+        import torch.distributed.checkpoint as dcp
+
+        if not hasattr(self, "_dcp_group"):
+            self._dcp_group = dist.new_group(backend="gloo")
+        path = self.fresh("dcp_async")
+        start = time.perf_counter()
+        future = dcp.async_save(self._dtensors(self.state), checkpoint_id=path, process_group=self._dcp_group)
+        return time.perf_counter() - start, future.result
+
+    def dcp_load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self._dtensors(self.buffers), checkpoint_id=self.path("dcp"))
+
+    def _sharded(self, tensors: dict[str, torch.Tensor]) -> Any:
+        import shardpoint as sp
+
+        topo = sp.Topology(self.world, 1, 1)
+
+        class Model(torch.nn.Module):
+            def sharded_state_dict(inner) -> dict[str, Any]:
+                return {k: sp.column_parallel(t, topo) for k, t in tensors.items()}
+
+        return topo, sp.TrainState(Model())
+
+    def sp_save(self, async_save: bool = False) -> Any:
+        import shardpoint as sp
+
+        name = "sp_async" if async_save else "sp"
+        topo, state = self._sharded(self.state)
+        if not hasattr(self, "_ckpts"):
+            self._ckpts = {}
+        if name not in self._ckpts:
+            self._ckpts[name] = sp.Checkpointer(self.path(name), topology=topo, async_save=async_save, keep_last=1)
+        ckpt = self._ckpts[name]
+        self._iteration = getattr(self, "_iteration", 0) + 1
+        ckpt.save(self._iteration, state)
+        return ckpt
+
+    def sp_load(self, root: str | None = None) -> None:
+        import shardpoint as sp
+
+        topo, state = self._sharded(self.buffers)
+        sp.Checkpointer(root or self.path("sp"), topology=topo).load(state)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _peak_rss_during(fn: Callable[[], Any]) -> int:
+    """Extra peak resident memory of this process while ``fn`` runs (Linux)."""
+
+    def rss(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return -1
+    before = rss("VmRSS:")
+    fn()
+    return rss("VmHWM:") - before
+
+
+# ------------------------------------------------------------------- rounds
+def _main_rounds(m: Methods, repeat: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {}
+
+    def async_sp() -> None:
+        start = time.perf_counter()
+        ckpt = m.sp_save(async_save=True)
+        stall = time.perf_counter() - start
+        ckpt.wait()
+        times.setdefault("shardpoint async stall", []).append(max(_comm_max(stall), 0.0))
+
+    def async_dcp() -> None:
+        stall, wait = m.dcp_async_save()
+        wait()
+        times.setdefault("dcp async_save stall", []).append(_comm_max(stall))
+
+    ops: list[tuple[str, Callable[[], Any]]] = [
+        ("memory copy", m.memcopy),
+        ("sequential write+fsync", m.raw_write),
+        ("sequential read", m.raw_read),
+        ("torch.save per rank", m.torch_save),
+        ("torch.load per rank", m.torch_load),
+        ("dcp save", m.dcp_save),
+        ("dcp load", m.dcp_load),
+        ("dcp async_save total", async_dcp),
+        ("shardpoint save", m.sp_save),
+        ("shardpoint load", m.sp_load),
+        ("shardpoint async total", async_sp),
+    ]
+    for round_index in range(repeat):
+        # writes and their reads stay paired; the pairs rotate between rounds
+        pairs = [ops[0:1], ops[1:3], ops[3:5], ops[5:7], ops[7:8], ops[8:10], ops[10:11]]
+        shift = round_index % len(pairs)
+        for pair in pairs[shift:] + pairs[:shift]:
+            for name, fn in pair:
+                times.setdefault(name, []).append(_timed(fn))
+    return times
+
+
+def _comm_max(value: float) -> float:
+    box = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return float(box)
+
+
+def _reshard_rounds(m: Methods, source: str, repeat: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {}
+    m.sp_save()  # a same-layout checkpoint at this rank count
+    for round_index in range(repeat):
+        ops = [("shardpoint load (same layout)", m.sp_load), ("shardpoint load (resharded)", lambda: m.sp_load(source))]
+        for name, fn in ops if round_index % 2 == 0 else ops[::-1]:
+            times.setdefault(name, []).append(_timed(fn))
+    times["reshard load peak extra RSS"] = [float(_peak_rss_during(lambda: m.sp_load(source)))]
+    return times
+
+
+def _worker(rank: int, world: int, port: int, config: dict[str, Any], root: str, phase: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import logging
+
+    logging.disable(logging.INFO)
+    try:
+        # the full-size state is split over the main phase's ranks; the reshard phase holds the same total
+        state = synthetic_state(config["size"], rank, world)
+        m = Methods(state, root, rank, world)
+        if phase == "main":
+            times = _main_rounds(m, config["repeat"])
+            m._ckpts.pop("sp_async").close()  # measure the first save of a fresh Checkpointer: buffers allocated anew
+            times["async peak extra RSS"] = [float(_peak_rss_during(lambda: m.sp_save(async_save=True).wait()))]
+            times["bytes per rank"] = [float(_dir_bytes(os.path.join(root, "sp"), rank))]
+        else:
+            times = _reshard_rounds(m, os.path.join(root, "sp"), config["repeat"])
+        times["state bytes per rank"] = [float(state_bytes(state))]
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, times)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _dir_bytes(root: str, rank: int) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in files if n.startswith(f"__{rank}_"))
+    return total
+
+
+def _launch(world: int, config: dict[str, Any], root: str, phase: str) -> list[dict[str, list[float]]]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(prefix="sp-bench-"), "times.json")
+    mp.start_processes(_worker, args=(world, port, config, root, phase, out), nprocs=world, start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("bench", help="measure save/load speed against the disk's limits and baselines")
+    parser.add_argument(
+        "--size",
+        type=parse_size,
+        default=parse_size("256MB"),
+        help="total bytes of fp32 weights + Adam moments over all ranks (default 256MB)",
+    )
+    parser.add_argument("--ranks", type=int, default=2, help="gloo processes (default 2)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported (default 3)")
+    parser.add_argument(
+        "--dir",
+        action="append",
+        dest="dirs",
+        help="target directory (repeatable); default: /dev/shm and a folder in the current directory",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.set_defaults(
+        func=lambda args: run_bench(
+            BenchConfig(args.size, args.ranks, args.repeat, args.dirs or _default_dirs(), args.json, args.quiet)
+        )
+    )
+
+
+def _default_dirs() -> list[str]:
+    dirs = [os.path.join(os.getcwd(), ".shardpoint-bench")]
+    if os.path.isdir("/dev/shm"):
+        dirs.insert(0, "/dev/shm/shardpoint-bench")
+    return dirs
+
+
+def run_bench(config: BenchConfig) -> int:
+    """Run every measurement on every directory and print (or return as JSON) the report."""
+    if config.ranks < 2 or config.ranks % 2:
+        raise SystemExit("shardpoint bench: --ranks must be an even number >= 2 (resharding loads at ranks/2)")
+    reports = []
+    for directory in config.dirs:
+        root = os.path.join(directory, f"run-{os.getpid()}")
+        os.makedirs(root, exist_ok=True)
+        try:
+            if not config.quiet:
+                _say(
+                    f"bench: {config.size / 1e9:.2f} GB over {config.ranks} ranks in {directory} "
+                    f"({config.repeat} rounds)..."
+                )
+            settings = {"size": config.size, "repeat": config.repeat}
+            main = _launch(config.ranks, settings, root, "main")
+            reshard = _launch(config.ranks // 2, settings, root, "reshard")
+            reports.append(summarize(directory, config, main, reshard))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    if config.json:
+        print(json.dumps(reports, indent=1))
+    else:
+        for report in reports:
+            print_report(report)
+    return 0
+
+
+def _say(text: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(text)
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b) if y > 0)
+
+
+def summarize(directory: str, config: BenchConfig, main: list[dict], reshard: list[dict]) -> dict[str, Any]:
+    """Medians, per-round ratios and target checks for one directory."""
+    times = {**main[0], **{k: v for k, v in reshard[0].items() if k.startswith("shardpoint load (")}}
+    rows = [
+        {
+            "name": name,
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "max_s": max(v),
+            "gb_per_s": config.size / 1e9 / statistics.median(v) if statistics.median(v) > 0 else None,
+        }
+        for name, v in times.items()
+        if not name.endswith(("RSS", "bytes per rank"))
+    ]
+    state_per_rank = main[0]["state bytes per rank"][0]
+    bytes_written = [r["bytes per rank"][0] for r in main]
+    ratios = {
+        "async stall / memory copy": (_median_ratio(times["shardpoint async stall"], times["memory copy"]), "<=", 1.5),
+        "async stall / sync save": (
+            _median_ratio(times["shardpoint async stall"], times["shardpoint save"]),
+            "<=",
+            0.10,
+        ),
+        "write limit time / save time": (
+            _median_ratio(times["sequential write+fsync"], times["shardpoint save"]),
+            ">=",
+            0.8,
+        ),
+        "save / torch.save per rank": (_median_ratio(times["shardpoint save"], times["torch.save per rank"]), "<", 1.0),
+        "save / plain DCP save": (_median_ratio(times["shardpoint save"], times["dcp save"]), "<", 1.0),
+        "load / plain DCP load": (_median_ratio(times["shardpoint load"], times["dcp load"]), "<=", 1.0),
+        "resharded load / same-layout load": (
+            _median_ratio(times["shardpoint load (resharded)"], times["shardpoint load (same layout)"]),
+            "<=",
+            1.25,
+        ),
+        "async peak extra memory / state": (
+            max(r["async peak extra RSS"][0] for r in main) / state_per_rank,
+            "<=",
+            1.1,
+        ),
+    }
+    checks = {
+        name: {"value": value, "target": f"{op} {limit}", "met": _meets(value, op, limit)}
+        for name, (value, op, limit) in ratios.items()
+    }
+    return {
+        "dir": directory,
+        "size_bytes": config.size,
+        "ranks": config.ranks,
+        "repeat": config.repeat,
+        "state_bytes_per_rank": state_per_rank,
+        "bytes_written_per_rank": bytes_written,
+        "reshard_load_peak_extra_rss_per_rank": [r["reshard load peak extra RSS"][0] for r in reshard],
+        "rows": rows,
+        "ratios": checks,
+    }
+
+
+def _meets(value: float, op: str, limit: float) -> bool:
+    return {"<=": value <= limit, ">=": value >= limit, "<": value < limit}[op]
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(
+        title=f"{report['dir']}: {report['size_bytes'] / 1e9:.2f} GB over {report['ranks']} ranks, "
+        f"median of {report['repeat']}"
+    )
+    for column in ("operation", "median s", "min–max s", "GB/s"):
+        table.add_column(column, justify="left" if column == "operation" else "right")
+    for row in report["rows"]:
+        rate = f"{row['gb_per_s']:.2f}" if row["gb_per_s"] else "-"
+        table.add_row(row["name"], f"{row['median_s']:.3f}", f"{row['min_s']:.3f}–{row['max_s']:.3f}", rate)
+    console.print(table)
+    targets = Table(title="targets (medians of per-round ratios)")
+    for column in ("ratio", "value", "target", "met"):
+        targets.add_column(column)
+    for name, check in report["ratios"].items():
+        targets.add_row(name, f"{check['value']:.3f}", check["target"], "yes" if check["met"] else "[red]no[/red]")
+    console.print(targets)
+    per_rank = ", ".join(f"{b / 1e6:.1f}" for b in report["bytes_written_per_rank"])
+    console.print(
+        f"state per rank {report['state_bytes_per_rank'] / 1e6:.1f} MB; written per rank (MB): {per_rank}; "
+        f"resharded-load peak extra RSS per rank (MB): "
+        + ", ".join(f"{b / 1e6:.1f}" for b in report["reshard_load_peak_extra_rss_per_rank"])
+    )
