@@ -30,19 +30,20 @@ def world_size() -> int:
     return dist.get_world_size() if initialized() else 1
 
 
-def broadcast(obj: Any, src: int = 0) -> Any:
+def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (None: all ranks)."""
     if not initialized() or world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def all_gather(obj: Any) -> list[Any]:
+def all_gather(obj: Any, group: Any = None) -> list[Any]:
     if not initialized() or world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -71,7 +72,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def agree(step: Callable[[], T], what: str) -> T:
+def agree(step: Callable[[], T], what: str, group: Any = None) -> T:
     """Run ``step`` on every rank; if it failed anywhere, raise on every rank.
 
     The rank that failed re-raises its own exception (a CheckpointError keeps its
@@ -85,7 +86,7 @@ def agree(step: Callable[[], T], what: str) -> T:
     except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
         error = exc
     summary = None if error is None else f"{type(error).__name__}: {error}"
-    outcomes = all_gather(summary)
+    outcomes = all_gather(summary, group)
     if error is not None:
         if isinstance(error, CheckpointError):
             raise error

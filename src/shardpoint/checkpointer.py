@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,13 +67,13 @@ class _PendingSave:
 
     iteration: int | None
     final: str
-    ctx: FormatContext
     flat: FlatState
-    needed: int
     metrics: dict[str, float]
     extra: dict[str, Any]
     update_tracker: bool
-    start: float
+    start: float = field(default_factory=time.perf_counter)
+    ctx: FormatContext | None = None  # set once the temporary directory exists
+    needed: int = 0
     writer: BackgroundWrite | None = None
 
 
@@ -221,10 +221,14 @@ class Checkpointer:
         """
         if iteration < 0:
             raise ValueError(f"iteration must be >= 0, got {iteration}")
+        start = time.perf_counter()
         self._finalize(blocking=True)
         flat = collect(state, iteration=iteration)
         path = self._write(iteration, flat, metrics or {}, state.extra, background=self.async_save)
         self.last_saved_iteration = iteration
+        if self.async_save:
+            self.last_stall_seconds = time.perf_counter() - start
+            log.info("async save of %s: training resumed after %.3f s", path, self.last_stall_seconds)
         return path
 
     def save_release(self, state: TrainState, *, update_tracker: bool = True) -> str:
@@ -259,53 +263,54 @@ class Checkpointer:
         update_tracker: bool = True,
         background: bool = False,
     ) -> str:
-        pending = self._prepare(iteration, flat, metrics, extra, update_tracker)
+        flat.common["config"] = self.config
+        name = self.layout.dir_name(iteration)
+        pending = _PendingSave(
+            iteration, self.storage.join(self.root, name), flat, dict(metrics), dict(extra), update_tracker
+        )
         if background:
             pending.flat = self._buffers.snapshot(flat)
-            self.last_stall_seconds = time.perf_counter() - pending.start
-            pending.writer = BackgroundWrite(lambda: self._write_files(pending)).start()
+            pending.writer = BackgroundWrite(lambda: self._open_and_write(pending, self._async_group)).start()
             self._pending = pending
-            log.info("async save of %s: training resumed after %.3f s", pending.final, self.last_stall_seconds)
             return pending.final
         try:
-            records: Any = self._write_files(pending)
+            records: Any = self._open_and_write(pending, None)
             error = None
         except Exception as exc:  # noqa: BLE001 - agreed on and re-raised on every rank by _finish
             records, error = None, exc
         return self._finish(pending, records, error)
 
-    def _prepare(
-        self,
-        iteration: int | None,
-        flat: FlatState,
-        metrics: Mapping[str, float],
-        extra: Mapping[str, Any],
-        update_tracker: bool,
-    ) -> _PendingSave:
-        """Collective: agree on a fresh temporary directory (rank 0 creates it)."""
-        start = time.perf_counter()
+    def _open_and_write(self, pending: _PendingSave, group: Any) -> dict[str, Any]:
+        """Collective over ``group``: rank 0 creates the temporary directory, then every rank writes.
+
+        Runs on the background thread for async saves, with a group of its own, so the
+        trainer's collectives never interleave with these.
+        """
         rank = _comm.rank()
-        flat.common["config"] = self.config
-        name = self.layout.dir_name(iteration)
-        needed = _deduplicated_bytes(flat)
+        name = self.layout.dir_name(pending.iteration)
+        pending.needed = _deduplicated_bytes(pending.flat, group)
         tmp = _comm.broadcast(
-            _comm.agree(lambda: self._begin(name, needed) if rank == 0 else None, "preparing the checkpoint directory")
+            _comm.agree(
+                lambda: self._begin(name, pending.needed) if rank == 0 else None,
+                "preparing the checkpoint directory",
+                group,
+            ),
+            group=group,
         )
-        ctx = FormatContext(
+        pending.ctx = FormatContext(
             self.storage,
             tmp,
             self.topology,
             thread_count=self.thread_count,
-            distributed_optimizer=flat.common.get("distributed_optimizer", False),
-            process_group=self._async_group if self.async_save else None,
+            distributed_optimizer=pending.flat.common.get("distributed_optimizer", False),
+            process_group=group,
         )
-        final = self.storage.join(self.root, name)
-        return _PendingSave(iteration, final, ctx, flat, needed, dict(metrics), dict(extra), update_tracker, start)
+        return self._write_files(pending)
 
     def _finish(self, pending: _PendingSave, records: Any, error: BaseException | None) -> str:
         """Collective: agree on the outcome of the writes, then rank 0 commits and applies retention."""
         rank = _comm.rank()
-        tmp = pending.ctx.directory
+        tmp = pending.ctx.directory if pending.ctx is not None else None
 
         def outcome() -> Any:
             if error is not None:
@@ -322,7 +327,7 @@ class Checkpointer:
                 "committing the checkpoint",
             )
         except BaseException:
-            if rank == 0:
+            if rank == 0 and tmp is not None:
                 self.storage.remove(tmp)
             raise
         if rank == 0:
@@ -586,11 +591,11 @@ def _verify_share(storage: Any, path: str, meta: CheckpointMetadata, names: list
         )
 
 
-def _deduplicated_bytes(flat: FlatState) -> int:
+def _deduplicated_bytes(flat: FlatState, group: Any = None) -> int:
     """Bytes the whole job will write, each replicated box counted once (an estimate for the space check)."""
     local = {(k, s.global_offset): s.tensor.numel() * s.tensor.element_size() for k, s in flat.tensors.items()}
     merged: dict[tuple, int] = {}
-    for part in _comm.all_gather(local):
+    for part in _comm.all_gather(local, group):
         merged.update(part)
     return sum(merged.values())
 
