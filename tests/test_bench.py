@@ -1,0 +1,52 @@
+"""The bench runs end to end at a tiny size (a smoke test: speed is reported, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_reports_every_measurement_and_target(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardpoint.cli",
+            "bench",
+            "--size",
+            "2MB",
+            "--ranks",
+            "2",
+            "--repeat",
+            "1",
+            "--dir",
+            str(tmp_path / "disk"),
+            "--json",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (report,) = json.loads(out.stdout)
+    names = {row["name"] for row in report["rows"]}
+    for expected in (
+        "memory copy",
+        "sequential write+fsync",
+        "torch.save per rank",
+        "dcp save",
+        "dcp load",
+        "shardpoint save",
+        "shardpoint load",
+        "shardpoint async stall",
+        "shardpoint load (resharded)",
+    ):
+        assert expected in names
+    assert all(row["median_s"] > 0 for row in report["rows"])
+    assert set(report["ratios"]) >= {"async stall / memory copy", "resharded load / same-layout load"}
+    assert all(isinstance(check["met"], bool) for check in report["ratios"].values())
+    written = report["bytes_written_per_rank"]
+    assert len(written) == 2 and all(b >= report["state_bytes_per_rank"] for b in written)
+    assert not any((tmp_path / "disk").iterdir())  # the bench cleans up after itself
