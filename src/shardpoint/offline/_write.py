@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -10,15 +11,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from shardpoint import commit
 from shardpoint._version import __version__
 from shardpoint.errors import CheckpointError
 from shardpoint.formats import FormatContext, get_format
+from shardpoint.formats.base import write_torch_file
+from shardpoint.formats.dist import COMMON_FILE
 from shardpoint.integrity import record_file
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
-from shardpoint.metadata import CheckpointMetadata, FileRecord
+from shardpoint.metadata import CheckpointMetadata
 from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, single_process, stage_by_name
 from shardpoint.sharding import Shard, divide
 from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX, FlatState
@@ -74,25 +82,29 @@ def write_checkpoint(
         TopologyMismatchError: a tensor or the layer count does not divide by tp / pp.
     """
     _require_one_process()
-    fmt, lay = get_format(format), get_layout(layout)
+    get_format(format)  # a clear error for an unknown format name
+    lay = get_layout(layout)
     storage = LocalStorage(dst_root)
     name = lay.dir_name(None if release else iteration)
     final = storage.join(storage.root, name)
     if storage.exists(final):
         raise CheckpointError(f"{final} exists already; write into another directory or remove it first")
     tensors, common = _payload(tensors, common, iteration, release, config)
-    flats = (
-        _torch_rank_states(tensors, common, tp, pp, dict(split_dims or {}), dict(stages or {}))
-        if format == "torch"
-        else [(Topology(1, 1, 1, rank=0), FlatState(_full_shards(tensors), common, {}))]
-    )
+    split_dims = dict(split_dims or {})
+    if format == "torch":
+        flats = _torch_rank_states(tensors, common, tp, pp, split_dims, dict(stages or {}))
+        write = functools.partial(_write_torch, storage, flats, bool(common.get("distributed_optimizer")))
+    else:
+        pieces = {key: _tp_pieces(key, t, split_dims.get(key), tp) for key, t in tensors.items()}
+        write = functools.partial(_write_dist, tensors, pieces, common)
     start = time.perf_counter()
     lock = DirectoryLock(storage.root)
     lock.acquire()  # one writer per directory: a job saving there, or another conversion, is refused
     try:
         tmp = commit.begin(storage, storage.root, name)
         try:
-            records = _write_files(storage, tmp, fmt, flats, bool(common.get("distributed_optimizer")), progress)
+            files = write(tmp, progress)
+            records = {f: record_file(storage, storage.join(tmp, f)) for f in files}
             meta = _metadata(iteration, release, format, lay, tp, pp, common, records, metrics, start)
             commit.publish(storage, tmp, final, meta)
         except BaseException:
@@ -106,23 +118,73 @@ def write_checkpoint(
     return final
 
 
-def _write_files(
+def _write_torch(
     storage: LocalStorage,
-    tmp: str,
-    fmt: Any,
     flats: list[tuple[Topology, FlatState]],
     distributed_optimizer: bool,
+    tmp: str,
     progress: ProgressFn | None,
-) -> dict[str, FileRecord]:
-    """Each model-parallel rank's files, written by the format itself, with their checksums."""
+) -> list[str]:
+    """Each model-parallel rank's files, written by the torch format itself."""
     files = []
+    fmt = get_format("torch")
     for done, (topo, flat) in enumerate(flats, 1):
-        ctx = FormatContext(storage, tmp, topo, distributed_optimizer=distributed_optimizer)
-        with single_process():
-            files += fmt.save(ctx, flat)
+        files += fmt.save(FormatContext(storage, tmp, topo, distributed_optimizer=distributed_optimizer), flat)
         if progress:
             progress("writing", done, len(flats))
-    return {f: record_file(storage, storage.join(tmp, f)) for f in files}
+    return files
+
+
+def _write_dist(
+    tensors: Mapping[str, torch.Tensor],
+    pieces: dict[str, list[Shard]],
+    common: Mapping[str, Any],
+    tmp: str,
+    progress: ProgressFn | None,
+) -> list[str]:
+    """The files a dist save writes: DCP's (one process, tensors as their tp pieces) and ``common.pt``."""
+    writer = FileSystemWriter(tmp, sync_files=True)
+    with single_process():
+        dcp.save(dict(tensors), storage_writer=writer, planner=_PiecesSavePlanner(pieces), no_dist=True)
+    write_torch_file(dict(common), os.path.join(tmp, COMMON_FILE))
+    if progress:
+        progress("writing", 1, 1)
+    return sorted(name for name in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, name)))
+
+
+class _PiecesSavePlanner(DefaultSavePlanner):
+    """Saves each tensor as its tensor-parallel pieces, so DCP's chunks record the split dim.
+
+    A ``dist`` checkpoint saved by a tp=N job has N chunks per split tensor; writing the
+    same chunks keeps that fact for the next conversion to ``torch`` format (a single
+    whole chunk would say "replicated").
+    """
+
+    def __init__(self, pieces: dict[str, list[Shard]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = pieces
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan([_write_item(key, shard) for key, shards in self.pieces.items() for shard in shards])
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        offset = tuple(index.offset or ())
+        tensor = next(s.tensor for s in self.pieces[index.fqn] if s.global_offset == offset)
+        # a view would be written with its whole storage; copy just the piece
+        return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+
+
+def _write_item(key: str, shard: Shard) -> WriteItem:
+    return WriteItem(
+        index=MetadataIndex(key, torch.Size(shard.global_offset)),
+        type=WriteItemType.TENSOR if shard.is_full else WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(shard.global_offset), sizes=shard.tensor.shape),
+            properties=TensorProperties.create_from_tensor(shard.tensor),
+            size=torch.Size(shard.global_shape),
+        ),
+    )
 
 
 def _require_one_process() -> None:
@@ -149,8 +211,8 @@ def _payload(
     return dict(tensors), {**common, "iteration": iteration, "config": config}
 
 
-def _full_shards(tensors: Mapping[str, torch.Tensor]) -> dict[str, Shard]:
-    return {k: Shard(t.contiguous(), tuple(t.shape), (0,) * t.dim()) for k, t in tensors.items()}
+def _tp_pieces(key: str, tensor: torch.Tensor, dim: int | None, tp: int) -> list[Shard]:
+    return [_tp_piece(key, tensor, dim, rank, tp) for rank in range(tp if dim is not None else 1)]
 
 
 def _torch_rank_states(
