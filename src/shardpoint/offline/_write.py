@@ -26,7 +26,7 @@ from shardpoint.formats.dist import COMMON_FILE
 from shardpoint.integrity import record_file
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
-from shardpoint.metadata import CheckpointMetadata
+from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, single_process, stage_by_name
 from shardpoint.sharding import Shard, divide
 from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX, FlatState
@@ -103,8 +103,7 @@ def write_checkpoint(
     try:
         tmp = commit.begin(storage, storage.root, name)
         try:
-            files = write(tmp, progress)
-            records = {f: record_file(storage, storage.join(tmp, f)) for f in files}
+            records = write(tmp, progress)
             meta = _metadata(iteration, release, format, lay, tp, pp, common, records, metrics, start)
             commit.publish(storage, tmp, final, meta)
         except BaseException:
@@ -124,15 +123,15 @@ def _write_torch(
     distributed_optimizer: bool,
     tmp: str,
     progress: ProgressFn | None,
-) -> list[str]:
-    """Each model-parallel rank's files, written by the torch format itself."""
-    files = []
+) -> dict[str, FileRecord]:
+    """Each model-parallel rank's files, written by the torch format itself, with size and checksum."""
+    records: dict[str, FileRecord] = {}
     fmt = get_format("torch")
     for done, (topo, flat) in enumerate(flats, 1):
-        files += fmt.save(FormatContext(storage, tmp, topo, distributed_optimizer=distributed_optimizer), flat)
+        records.update(fmt.save(FormatContext(storage, tmp, topo, distributed_optimizer=distributed_optimizer), flat))
         if progress:
             progress("writing", done, len(flats))
-    return files
+    return records
 
 
 def _write_dist(
@@ -141,15 +140,20 @@ def _write_dist(
     common: Mapping[str, Any],
     tmp: str,
     progress: ProgressFn | None,
-) -> list[str]:
+) -> dict[str, FileRecord]:
     """The files a dist save writes: DCP's (one process, tensors as their tp pieces) and ``common.pt``."""
     writer = FileSystemWriter(tmp, sync_files=True)
     with single_process():
         dcp.save(dict(tensors), storage_writer=writer, planner=_PiecesSavePlanner(pieces), no_dist=True)
-    write_torch_file(dict(common), os.path.join(tmp, COMMON_FILE))
+    records = {
+        name: record_file(LocalStorage(tmp), os.path.join(tmp, name))
+        for name in sorted(os.listdir(tmp))
+        if os.path.isfile(os.path.join(tmp, name))
+    }
+    records[COMMON_FILE] = write_torch_file(dict(common), os.path.join(tmp, COMMON_FILE))
     if progress:
         progress("writing", 1, 1)
-    return sorted(name for name in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, name)))
+    return records
 
 
 class _PiecesSavePlanner(DefaultSavePlanner):
