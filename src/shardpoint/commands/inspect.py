@@ -65,7 +65,7 @@ def add_parser(subparsers: Any) -> None:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
-    path = os.path.abspath(args.directory)
+    path = offline.local_path(args.directory)
     if args.iteration is not None or args.tensors or offline.is_checkpoint_dir(path):
         return _show_one(out, path, args.iteration, args.tensors)
     return _show_directory(out, path)
@@ -234,7 +234,7 @@ def _print_summary(out: Output, directory: str, meta: CheckpointMetadata) -> Non
     rows = [
         ("iteration", "release" if meta.release else str(meta.iteration)),
         ("format / layout", f"{meta.format} / {meta.layout}"),
-        ("saved at", f"tp={topo['tp']} pp={topo['pp']} dp={topo['dp']}"),
+        ("layout at save", f"tp={topo['tp']} pp={topo['pp']} dp={topo['dp']}"),
         ("files", f"{len(meta.files)} ({human_bytes(meta.total_bytes)})"),
         ("saved", f"{human_time(meta.wall_time)} in {meta.save_seconds:.2f} s"),
         ("consumed samples", "-" if meta.consumed_samples is None else str(meta.consumed_samples)),

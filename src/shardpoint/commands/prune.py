@@ -16,7 +16,6 @@ run while a job saves there: that job's save in progress would look like a lefto
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from shardpoint import commit, offline
@@ -92,7 +91,7 @@ def plan(root: str, policies: list[PreservationPolicy]) -> dict[str, Any]:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
-    root = os.path.abspath(args.directory)
+    root = offline.local_path(args.directory)
     policies: list[PreservationPolicy] = [LatestN(args.keep_last)]
     if args.keep_every is not None:
         policies.append(KeepEvery(args.keep_every))

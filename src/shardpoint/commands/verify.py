@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> None:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
-    path = os.path.abspath(args.directory)
+    path = offline.local_path(args.directory)
     if offline.is_checkpoint_dir(path):
         if args.all:
             raise ValueError(f"--all applies to a save directory; {path} is one checkpoint")

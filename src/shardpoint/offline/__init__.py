@@ -50,7 +50,7 @@ import torch
 
 from shardpoint.errors import CheckpointError
 from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, stage_by_name
-from shardpoint.offline._locate import find_layout, is_checkpoint_dir, looks_like_checkpoint, resolve
+from shardpoint.offline._locate import find_layout, is_checkpoint_dir, local_path, looks_like_checkpoint, resolve
 from shardpoint.offline._read import (
     FullCheckpoint,
     TensorInfo,
@@ -74,6 +74,7 @@ __all__ = [
     "infer_split_dims",
     "is_checkpoint_dir",
     "layer_of",
+    "local_path",
     "looks_like_checkpoint",
     "param_key_of",
     "read_full",

@@ -10,9 +10,9 @@ from shardpoint.formats.dist import COMMON_FILE
 from shardpoint.layout import LAYOUTS, RELEASE, Layout
 from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.offline._common import MP_DIR
-from shardpoint.storage import LocalStorage
+from shardpoint.storage import LocalStorage, open_storage
 
-__all__ = ["find_layout", "is_checkpoint_dir", "looks_like_checkpoint", "resolve"]
+__all__ = ["find_layout", "is_checkpoint_dir", "local_path", "looks_like_checkpoint", "resolve"]
 
 
 def resolve(path: str | os.PathLike[str], iteration: int | None = None) -> tuple[str, CheckpointMetadata]:
@@ -26,8 +26,8 @@ def resolve(path: str | os.PathLike[str], iteration: int | None = None) -> tuple
         CheckpointError: ``path`` is not a checkpoint nor a directory of checkpoints.
         CorruptCheckpointError: the checkpoint is partial (no marker) or its marker is damaged.
     """
-    storage = LocalStorage(path)
-    root = storage.root
+    root = local_path(path)
+    storage = LocalStorage(root)
     if not storage.is_dir(root):
         what = "is a file" if storage.exists(root) else "does not exist"
         raise CheckpointError(f"{root} {what}; pass a checkpoint directory or the directory a job saves into")
@@ -52,6 +52,15 @@ def resolve(path: str | os.PathLike[str], iteration: int | None = None) -> tuple
     if not storage.is_dir(directory):
         raise CheckpointError(f"{directory} does not exist; checkpoints under {root}: {_names(storage, root, layout)}")
     return directory, commit.read_marker(storage, directory)
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """``path`` made absolute; a clear error for a URL, since offline tools read local files only.
+
+    Raises:
+        StorageError: ``path`` is an ``s3://`` (or other) URL.
+    """
+    return open_storage(path).root
 
 
 def is_checkpoint_dir(directory: str) -> bool:
