@@ -98,12 +98,20 @@ class Output:
 
 
 def guarded(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turn a bad option value (ValueError) into exit 2 and an I/O error into exit 1, each one line."""
+    """Turn a bad option value (ValueError) into exit 2 and an I/O error into exit 1, each one line.
+
+    A closed output pipe ends the command silently (exit 1), as ``grep`` or ``cat`` do.
+    """
 
     @functools.wraps(func)
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
+        except BrokenPipeError:
+            # the reader went away (`| head`): stop quietly; point stdout at /dev/null so the
+            # interpreter's final flush does not raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_PROBLEM
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -94,8 +94,8 @@ def _dtype(t: torch.Tensor) -> str:
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
     with out.progress() as progress:
-        left = offline.read_full(args.a, progress=progress)
-        right = offline.read_full(args.b, progress=progress)
+        left = offline.read_full(args.a, progress=lambda phase, done, total: progress(f"{phase} A", done, total))
+        right = offline.read_full(args.b, progress=lambda phase, done, total: progress(f"{phase} B", done, total))
     report = compare(left.tensors, right.tensors, args.atol)
     differ = bool(report["only_in_a"] or report["only_in_b"] or report["changed"])
     out.emit_json({"a": left.path, "b": right.path, "atol": args.atol, "identical": not differ, **report})
