@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,6 +53,10 @@ from shardpoint.state import FlatState
 __all__ = ["DistFormat", "ShardLoadPlanner", "ShardSavePlanner"]
 
 log = logging.getLogger(__name__)
+
+# Single-process saves and loads are intended (no process group means one rank); DCP
+# warns about them on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 COMMON_FILE = "common.pt"
 DCP_METADATA = ".metadata"
@@ -177,6 +182,7 @@ class DistFormat:
                 storage_writer=writer,
                 planner=ShardSavePlanner(flat.tensors),
                 process_group=ctx.process_group,
+                no_dist=not _comm.initialized(),
             )
         files = writer.records()
         if flat.per_rank:
@@ -194,11 +200,13 @@ class DistFormat:
         missing, unexpected = _compare_keys(flat.tensors, metadata, ctx.directory)
         _check_shapes(flat.tensors, metadata, meta, ctx)
         present = {k: s for k, s in flat.tensors.items() if k in metadata.state_dict_metadata}
-        dcp.load(
-            {k: s.tensor for k, s in present.items()},
-            storage_reader=reader,
-            planner=ShardLoadPlanner(present, ctx.directory),
-        )
+        with _dcp_errors(ctx.directory, loading=True):
+            dcp.load(
+                {k: s.tensor for k, s in present.items()},
+                storage_reader=reader,
+                planner=ShardLoadPlanner(present, ctx.directory),
+                no_dist=not _comm.initialized(),
+            )
         common = safe_torch_load(os.path.join(ctx.directory, COMMON_FILE))
         return Loaded(common, self._per_rank(ctx, meta), missing, unexpected)
 
