@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from dataclasses import fields
 from typing import Any
 
@@ -39,6 +40,7 @@ import shardpoint as sp
 from shardpoint import commit
 from shardpoint.demo.model import WORD_EMBEDDINGS, GPTConfig, GPTModel
 from shardpoint.demo.parallel import build_parallel_state
+from shardpoint.demo.procs import run_function
 from shardpoint.demo.rng_tracker import RNGTracker
 from shardpoint.formats.dist import SafeFileSystemReader
 from shardpoint.integrity import verify_files
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 
 HF_WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # DCP's note that it runs in one process: intended
 _ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 # (our name inside a layer, HF name inside a block, is an nn.Linear weight to transpose)
 _LAYER_MAP = [
@@ -218,7 +221,9 @@ def read_full_model(path: str, meta: CheckpointMetadata) -> dict[str, torch.Tens
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
 
@@ -296,10 +301,10 @@ def _read_hf(hf_dir: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
 
 
 def _save_release(
-    cfg: GPTConfig, tensors: dict[str, torch.Tensor], dst_dir: str, tp: int, pp: int, format: str
+    cfg: GPTConfig, tensors: dict[str, torch.Tensor], dst_dir: str, tp: int, pp: int, format: str, dp: int = 1
 ) -> None:
     """Build this rank's model at (tp, pp), fill it from the full tensors, save it as the release checkpoint."""
-    ps = build_parallel_state(tp, pp, 1, device=torch.device("cpu"))
+    ps = build_parallel_state(tp, pp, dp, device=torch.device("cpu"))
     model = GPTModel(cfg, ps, RNGTracker(0, ps))
     shards = model.sharded_state_dict()
     unknown = sorted(set(shards) - set(tensors))
@@ -309,12 +314,17 @@ def _save_release(
         shard = value if isinstance(value, sp.Shard) else sp.Shard(value, tuple(value.shape), (0,) * value.dim())
         copy_overlap(shard, tensors[key], (0,) * shard.tensor.dim())
     ckpt = sp.Checkpointer(dst_dir, topology=ps.topology, format=format, config=cfg.checkpoint_config())
-    ckpt.save_release(sp.TrainState(model=model))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+            ckpt.save_release(sp.TrainState(model=model))
+    finally:
+        ckpt.close()
 
 
 def _import_rank(rank: int, world: int, hf_dir: str, dst_dir: str, tp: int, pp: int, format: str) -> None:
     cfg, tensors = _read_hf(hf_dir)
-    _save_release(cfg, tensors, dst_dir, tp, pp, format)
+    _save_release(cfg, tensors, dst_dir, tp, pp, format, dp=world // (tp * pp))
 
 
 def import_hf(hf_dir: str, dst_dir: str, tp: int, pp: int, format: str = "dist") -> None:
@@ -324,7 +334,8 @@ def import_hf(hf_dir: str, dst_dir: str, tp: int, pp: int, format: str = "dist")
         hf_dir: holds ``config.json`` and ``model.safetensors`` (e.g. from :func:`export_hf`).
         dst_dir: the save directory to create; its tracker will read ``release``.
         tp, pp: the layout to load at; checked to divide the model.
-        format: ``"dist"`` (one process, loads at any layout) or ``"torch"`` (``tp * pp`` ranks).
+        format: ``"dist"`` (one process, loads at any layout) or ``"torch"`` (local gloo ranks
+            save one file per tp x pp rank; loads at exactly this layout).
 
     Raises:
         TopologyMismatchError: the model does not divide over ``tp`` x ``pp``.
@@ -333,13 +344,7 @@ def import_hf(hf_dir: str, dst_dir: str, tp: int, pp: int, format: str = "dist")
     if format not in ("dist", "torch"):
         raise ValueError(f"format must be 'dist' or 'torch', got {format!r}")
     cfg, tensors = _read_hf(hf_dir)
-    sp.divide(cfg.num_layers, pp, "num_layers")
-    for size, what in (
-        (cfg.num_attention_heads, "num_attention_heads"),
-        (cfg.vocab_size, "vocab_size"),
-        (cfg.ffn_hidden_size, "ffn_hidden_size"),
-    ):
-        sp.divide(size, tp, what)
+    cfg.check_layout(tp, pp)
     if format == "dist":
         if dist.is_available() and dist.is_initialized():
             raise sp.CheckpointError(
@@ -347,9 +352,10 @@ def import_hf(hf_dir: str, dst_dir: str, tp: int, pp: int, format: str = "dist")
             )
         _save_release(cfg, tensors, dst_dir, 1, 1, format)
     else:
-        from shardpoint.demo.procs import run_function
-
-        run_function(_import_rank, tp * pp, hf_dir, dst_dir, tp, pp, format)
+        # Two data-parallel replicas although one would do: the torch format's save gathers RNG
+        # state over the world instead of over a one-rank dp group when dp == 1 (a library bug,
+        # a collective mismatch that hangs); data-parallel rank 0 writes the files either way.
+        run_function(_import_rank, 2 * tp * pp, hf_dir, dst_dir, tp, pp, format)
     log.info(
         "imported %s into %s as a release checkpoint (%s format, for tp=%d pp=%d)", hf_dir, dst_dir, format, tp, pp
     )

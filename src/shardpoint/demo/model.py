@@ -87,6 +87,13 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
 
+    def check_layout(self, tp: int, pp: int) -> None:
+        """Raise TopologyMismatchError, naming the size, if the model does not split over ``tp`` x ``pp``."""
+        sp.divide(self.num_attention_heads, tp, "num_attention_heads")
+        sp.divide(self.ffn_hidden_size, tp, "ffn_hidden_size")
+        sp.divide(self.vocab_size, tp, "vocab_size")
+        sp.divide(self.num_layers, pp, "num_layers")
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
@@ -232,7 +239,8 @@ class GPTModel(torch.nn.Module):
     def __init__(self, cfg: GPTConfig, ps: ParallelState, rng: RNGTracker, seed: int = 1234):
         super().__init__()
         self.cfg, self.ps = cfg, ps
-        per_stage = sp.divide(cfg.num_layers, ps.pp_size, "num_layers")
+        cfg.check_layout(ps.tp_size, ps.pp_size)
+        per_stage = cfg.num_layers // ps.pp_size
         first = ps.pp_rank * per_stage
         self.embedding = Embedding(cfg, ps, rng, seed) if ps.is_first_stage else None
         self.layers = torch.nn.ModuleList(TransformerLayer(first + i, cfg, ps, rng, seed) for i in range(per_stage))

@@ -35,7 +35,8 @@ __all__ = ["RankFailedError", "RunOutcome", "free_port", "run_function", "run_ra
 
 log = logging.getLogger(__name__)
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "shardpoint", "shardpoint.demo.trainer"]
+# torch._dynamo: torch.optim.Optimizer imports it on first construction, about 1 s per rank otherwise.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "shardpoint", "shardpoint.demo.trainer"]
 
 
 class RankFailedError(sp.CheckpointError):
@@ -85,9 +86,11 @@ def _rank_main(rank: int, world: int, port: int, config: TrainConfig, events: An
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     _setup_logging(rank, log_dir)
+    started = time.perf_counter()
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(minutes=2)
     )
+    log.info("rank %d of %d joined the gloo group in %.2f s", rank, world, time.perf_counter() - started)
     try:
         report = (lambda info: events.put(("step", info))) if events is not None else None
         result = Trainer(config, on_step=report).run()

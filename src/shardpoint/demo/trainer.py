@@ -171,6 +171,7 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, on_step: Callable[[StepInfo], Any] | None = None):
+        started = time.perf_counter()
         self.cfg = config
         self.on_step = on_step
         self.ps = build_parallel_state(config.tp, config.pp, config.dp)
@@ -193,6 +194,16 @@ class Trainer:
         self.stream = SampleStream(config.model.seq_length, seed=config.seed)
         self.validation_tokens = validation_tokens(config.model.seq_length, config.seed)
         self.saves: list[SaveRecord] = []
+        log.info(
+            "built stage %d/%d, tp rank %d/%d, dp rank %d/%d in %.2f s",
+            self.ps.pp_rank,
+            self.ps.pp_size,
+            self.ps.tp_rank,
+            self.ps.tp_size,
+            self.ps.dp_rank,
+            self.ps.dp_size,
+            time.perf_counter() - started,
+        )
 
     def load(self) -> tuple[int, str | None, float | None]:
         """Resume from the save directory: ``(iteration, checkpoint path, validation diff)``."""
