@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from shardpoint.demo.data import SampleStream, micro_batches
 from shardpoint.demo.hf import from_hf_state_dict, hf_config, to_hf_state_dict
 from shardpoint.demo.model import GPTConfig, GPTModel
 from shardpoint.demo.parallel import build_parallel_state
+from shardpoint.demo.preemption import ExitSignalHandler, agree_to_exit
 from shardpoint.demo.rng_tracker import RNGTracker
 from shardpoint.demo.trainer import cosine_with_warmup
 
@@ -86,3 +90,19 @@ def test_single_rank_model_equals_hf_gpt2_and_mapping_round_trips():
     with torch.no_grad():
         logits = model.logits(model(None, tokens))
         assert (logits - hf(tokens).logits).abs().max() <= 1e-4
+
+
+def test_exit_agreement_without_a_process_group():
+    started = time.time()
+    assert agree_to_exit(False, started, None, CPU) is None
+    assert agree_to_exit(False, started - 120, 1.0, CPU) == "duration"
+    assert agree_to_exit(True, started - 120, 1.0, CPU) == "signal"
+
+
+def test_signal_handler_records_sigterm_and_restores_the_previous_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    with ExitSignalHandler() as handler:
+        os.kill(os.getpid(), signal.SIGTERM)  # would end the test process without the handler
+        time.sleep(0.01)
+        assert handler.received
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -111,7 +112,11 @@ def run(args: argparse.Namespace) -> int:
         save_interval=args.save_interval,
         reuse_reference=not args.no_reuse,
     )
-    console = Console(stderr=args.json)
+    _check_layouts(settings)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is noise here
+    stream = sys.stderr if args.json else sys.stdout
+    # Not a terminal (a log, a pipe): no width to fit, so keep the table on one line per row.
+    console = Console(stderr=args.json, width=None if stream.isatty() else 110)
     started = time.perf_counter()
     phases, problems = run_demo(settings, console, show_progress=not args.quiet and not args.json)
     wall = time.perf_counter() - started
@@ -128,6 +133,18 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[red]✗ {problem}[/red]")
         console.print(f"checkpoints under {settings.directory}, loss curves in {plot}; finished in {wall:.1f} s")
     return 1 if problems else 0
+
+
+def _check_layouts(settings: DemoSettings) -> None:
+    """Fail before starting any rank when a layout cannot split the model or the batch."""
+    for layout in (settings.layout, settings.reshard_layout):
+        config = settings.train_config("", layout)
+        config.model.check_layout(config.tp, config.pp)
+        sp.divide(
+            config.global_batch_size,
+            config.dp * config.micro_batch_size,
+            f"global_batch_size (over dp={config.dp} x micro_batch_size={config.micro_batch_size})",
+        )
 
 
 def run_demo(

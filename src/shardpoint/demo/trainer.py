@@ -35,7 +35,7 @@ from shardpoint import commit
 from shardpoint.demo.data import SampleStream, micro_batches
 from shardpoint.demo.model import GPTConfig, GPTModel
 from shardpoint.demo.optim import DistributedAdamW
-from shardpoint.demo.parallel import ParallelState, build_parallel_state
+from shardpoint.demo.parallel import ParallelState, build_parallel_state, pick_device
 from shardpoint.demo.pipeline import forward_backward
 from shardpoint.demo.preemption import ExitSignalHandler, agree_to_exit
 from shardpoint.demo.rng_tracker import RNGTracker
@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    pick_device(backend)  # make cuda:LOCAL_RANK current before NCCL creates its communicators
     dist.init_process_group(backend)
     try:
         config = TrainConfig(
