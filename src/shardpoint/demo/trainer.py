@@ -273,27 +273,12 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Load, train to ``train_iters`` or an exit condition, save; see the module docstring."""
-        cfg = self.cfg
-        start, loaded_from, diff = self.load()
-        losses: dict[int, float] = {}
-        started, train_seconds, reason, iteration = time.time(), 0.0, "finished", start
-        with ExitSignalHandler(enabled=cfg.exit_signal_handler) as handler:
-            for iteration in range(start + 1, cfg.train_iters + 1):
-                step_start = time.perf_counter()
-                losses[iteration] = self.train_step()
-                train_seconds += time.perf_counter() - step_start
-                saved = self.save(iteration, policy=True)
-                self._report(iteration, losses[iteration], saved, train_seconds, len(losses))
-                exit_reason = agree_to_exit(handler.received, started, cfg.exit_duration_minutes, self.ps.device)
-                if exit_reason is None and cfg.exit_interval and iteration % cfg.exit_interval == 0:
-                    exit_reason = "exit-interval"
-                if exit_reason is not None:
-                    reason = exit_reason
-                    break
-            if iteration > 0 and losses:
-                self.save(iteration, policy=False)
-        self.ckpt.close()
-        tokens = len(losses) * cfg.global_batch_size * cfg.model.seq_length
+        try:
+            start, loaded_from, diff = self.load()
+            losses, reason, iteration, train_seconds = self._train(start)
+        finally:
+            self.ckpt.close()
+        tokens = len(losses) * self.cfg.global_batch_size * self.cfg.model.seq_length
         return TrainResult(
             start,
             iteration,
@@ -305,6 +290,28 @@ class Trainer:
             loaded_from,
             diff,
         )
+
+    def _train(self, start: int) -> tuple[dict[int, float], str, int, float]:
+        """The loop: ``(losses, exit reason, last iteration, seconds spent in steps)``."""
+        cfg = self.cfg
+        losses: dict[int, float] = {}
+        started, train_seconds, reason, iteration = time.time(), 0.0, "finished", start
+        with ExitSignalHandler(enabled=cfg.exit_signal_handler) as handler:
+            for iteration in range(start + 1, cfg.train_iters + 1):
+                step_start = time.perf_counter()
+                losses[iteration] = self.train_step()
+                train_seconds += time.perf_counter() - step_start  # saving and validation stay out
+                saved = self.save(iteration, policy=True)
+                self._report(iteration, losses[iteration], saved, train_seconds, len(losses))
+                exit_reason = agree_to_exit(handler.received, started, cfg.exit_duration_minutes, self.ps.device)
+                if exit_reason is None and cfg.exit_interval and iteration % cfg.exit_interval == 0:
+                    exit_reason = "exit-interval"
+                if exit_reason is not None:
+                    reason = exit_reason
+                    break
+            if losses:
+                self.save(iteration, policy=False)  # on exit, and after the last step, unless just saved
+        return losses, reason, iteration, train_seconds
 
     def _report(self, iteration: int, loss: float, saved: bool, train_seconds: float, steps: int) -> None:
         lr = self.state.optimizer.param_groups[0]["lr"]
