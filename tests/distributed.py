@@ -42,7 +42,7 @@ def _child(rank: int, world: int, port: int, out: str, env: dict[str, str], fn: 
         torch.save(result, f"{out}/result_{rank}.pt")
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent through a file
         with open(f"{out}/error_{rank}.txt", "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)

@@ -54,3 +54,21 @@ def test_exact_resume_same_layout(tmp_path, fmt, zero, layout):
         assert torch.equal(a["rng"], b["rng"])
     tracker = "latest_checkpointed_iteration.txt" if layout == "megatron" else "latest"
     assert (tmp_path / "run" / tracker).read_text() == ("3" if layout == "megatron" else "global_step3")
+
+
+def _save_load_without_dp(rank: int, world: int, root: str):
+    topo = sp.Topology(2, 1, 1)
+    toy.seed_rng(topo)
+    state = toy.build(topo)
+    toy.train_step(state, 1)
+    sp.Checkpointer(root, topology=topo, format="torch").save(1, state)
+    fresh = toy.build(topo)
+    sp.Checkpointer(root, topology=topo).load(fresh)
+    return toy.snapshot(state), toy.snapshot(fresh)
+
+
+def test_torch_format_without_data_parallelism(tmp_path):
+    """dp=1 with several ranks: the per-dp gathers must not become world collectives (they hung once)."""
+    for saved, loaded in launch(_save_load_without_dp, 2, str(tmp_path / "run"), timeout=60):
+        for key, (_, _, tensor) in saved["tensors"].items():
+            assert torch.equal(loaded["tensors"][key][2], tensor), key

@@ -102,7 +102,8 @@ class Checkpointer:
     """Save and load model-parallel training state with Megatron's semantics.
 
     Args:
-        path: the save directory (a local path).
+        path: the save directory: a local path, or ``s3://bucket/prefix`` (endpoint and
+            credentials from the standard AWS environment, e.g. ``AWS_ENDPOINT_URL``).
         topology: this process's place in the tp × pp × dp layout (default: all 1).
         format: ``"dist"`` (sharded, reshardable, default) or ``"torch"`` (Megatron legacy).
         layout: ``"megatron"`` (``iter_0000100/``) or ``"neox"`` (``global_step100/``).
@@ -182,13 +183,16 @@ class Checkpointer:
         self.total_save_seconds = 0.0
         self.last_saved_iteration: int | None = None
         self._last_save_time = time.time()
-        self._lock = DirectoryLock(self.root)
+        # object stores have no flock: one writer per prefix is the user's to ensure there
+        self._lock = DirectoryLock(self.root) if self.storage.is_local else None
         if _comm.rank() == 0 and self.storage.is_dir(self.root):
             self._clean_leftovers_if_unlocked()
 
     def _clean_leftovers_if_unlocked(self) -> None:
         """Remove partial saves of dead jobs, unless a live job owns the directory (its saves are not ours)."""
-        if self._lock.try_acquire():
+        if self._lock is None:
+            commit.clean_leftovers(self.storage, self.root)
+        elif self._lock.try_acquire():
             try:
                 commit.clean_leftovers(self.storage, self.root)
             finally:
@@ -246,7 +250,8 @@ class Checkpointer:
         try:
             self._finalize(blocking=True)
         finally:
-            self._lock.release()
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -351,7 +356,7 @@ class Checkpointer:
         log.info("async save %s committed; background write took %.2f s", pending.final, pending.writer.seconds)
 
     def _begin(self, name: str, needed: int) -> str:
-        if not self._lock.held:
+        if self._lock is not None and not self._lock.held:
             self._lock.acquire()
             commit.clean_leftovers(self.storage, self.root)
         free = self.storage.free_bytes(self.root)

@@ -63,8 +63,19 @@ class CheckpointEntry:
 
 
 def begin(storage: Storage, root: str, final_name: str) -> str:
-    """Create and return a fresh temporary directory for ``final_name`` (rank 0)."""
+    """Create and return the directory ranks write into (rank 0).
+
+    On storage that can rename, a fresh temporary directory. On object storage,
+    the final prefix itself: a save of an iteration that already exists there first
+    removes the old objects, so no stale file can sit beside the new marker.
+    """
     storage.makedirs(root)
+    if not storage.supports_rename:
+        final = storage.join(root, final_name)
+        if storage.exists(final):
+            log.warning("replacing existing %s", final)
+            storage.remove(final)
+        return final
     tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(4)}")
     storage.makedirs(tmp)
     return tmp
@@ -138,12 +149,25 @@ def list_checkpoints(storage: Storage, root: str, layout: Layout) -> list[Checkp
 
 
 def clean_leftovers(storage: Storage, root: str) -> list[str]:
-    """Remove temporary directories of saves that died (rank 0, at start-up)."""
+    """Remove what saves that died left behind (rank 0, at start-up).
+
+    Temporary directories on local storage; on object storage, where data is written
+    in place, iteration prefixes that never got their marker.
+    """
     removed = []
     for name in storage.listdir(root):
-        if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
-            storage.remove(storage.join(root, name))
+        path = storage.join(root, name)
+        if name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
+            not storage.supports_rename
+            and _is_checkpoint_name(name)
+            and not storage.exists(storage.join(path, MARKER_NAME))
+        ):
+            storage.remove(path)
             removed.append(name)
     if removed:
         log.warning("removed %d partial checkpoint(s) left by an interrupted save: %s", len(removed), removed)
     return removed
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    return name == RELEASE or any(layout.parse_dir_name(name) is not None for layout in LAYOUTS.values())

@@ -78,18 +78,19 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
         ) from None
 
 
-def safe_torch_load(path: str, *, mmap: bool = False) -> Any:
-    """``torch.load(weights_only=True)`` with errors that say which file and why."""
+def safe_torch_load(source: Any, *, mmap: bool = False, name: str | None = None) -> Any:
+    """``torch.load(weights_only=True)`` of a path or binary file, with errors that say which file and why."""
+    where = name or str(source)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
-            f"{path} contains objects that weights-only loading refuses ({_first_line(exc)}); shardpoint never "
+            f"{where} contains objects that weights-only loading refuses ({_first_line(exc)}); shardpoint never "
             "unpickles arbitrary classes. If you trust this file, convert it with the tool that made it."
         ) from None
     except (RuntimeError, zipfile.BadZipFile, EOFError, OSError) as exc:
         raise CorruptCheckpointError(
-            f"{path} cannot be read ({_first_line(exc)}); the file is damaged or truncated"
+            f"{where} cannot be read ({_first_line(exc)}); the file is damaged or truncated"
         ) from None
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -28,6 +30,8 @@ class Storage(Protocol):
     """
 
     root: str
+    is_local: bool  # paths are POSIX paths (mmap, flock, os.* work on them)
+    supports_rename: bool  # False: data is written in place and only the marker commits it
 
     def join(self, *parts: str) -> str: ...
     def exists(self, path: str) -> bool: ...
@@ -36,6 +40,10 @@ class Storage(Protocol):
     def size(self, path: str) -> int: ...
     def read_bytes(self, path: str) -> bytes: ...
     def open_read(self, path: str) -> BinaryIO: ...
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        """Context manager: a new file that is durable (fsynced / uploaded) when the block exits."""
+        ...
+
     def write_atomic(self, path: str, data: bytes) -> None: ...
     def makedirs(self, path: str) -> None: ...
     def remove(self, path: str) -> None: ...
@@ -45,6 +53,9 @@ class Storage(Protocol):
 
 class LocalStorage:
     """A local (or network-mounted POSIX) filesystem."""
+
+    is_local = True
+    supports_rename = True
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = os.path.abspath(os.fspath(root))
@@ -72,6 +83,13 @@ class LocalStorage:
 
     def open_read(self, path: str) -> BinaryIO:
         return open(path, "rb")
+
+    @contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        with open(path, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """Write to a temporary name, fsync, ``os.replace``, fsync the directory."""
@@ -118,10 +136,14 @@ class LocalStorage:
 
 
 def open_storage(root: str | os.PathLike[str]) -> Storage:
-    """The backend for ``root``: local paths now; ``s3://`` once object storage lands."""
+    """The backend for ``root``: ``s3://bucket/prefix`` is object storage, anything else a local path."""
     text = os.fspath(root)
+    if text.startswith("s3://"):
+        from shardpoint.s3 import S3Storage
+
+        return S3Storage(text)
     if "://" in text and not text.startswith("file://"):
-        raise StorageError(f"{text}: this version supports local paths only (s3:// support is not built yet)")
+        raise StorageError(f"{text}: unsupported URL scheme; use a local path or s3://bucket/prefix")
     return LocalStorage(text.removeprefix("file://"))
 
 

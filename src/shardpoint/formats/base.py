@@ -8,7 +8,7 @@ names with size and checksum. On a load every rank calls ``load(ctx, flat, meta)
 
 from __future__ import annotations
 
-import os
+import io
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,11 +16,12 @@ import torch
 
 from shardpoint.integrity import HashingWriter
 from shardpoint.metadata import CheckpointMetadata, FileRecord
+from shardpoint.safe_io import safe_torch_load
 from shardpoint.state import FlatState
-from shardpoint.storage import Storage
+from shardpoint.storage import LocalStorage, Storage
 from shardpoint.topology import Topology
 
-__all__ = ["CheckpointFormat", "FormatContext", "Loaded", "unexpected_keys", "write_torch_file"]
+__all__ = ["CheckpointFormat", "FormatContext", "Loaded", "read_torch_file", "unexpected_keys", "write_torch_file"]
 
 
 @dataclass
@@ -66,17 +67,23 @@ class CheckpointFormat(Protocol):
         ...
 
 
-def write_torch_file(obj: Any, path: str) -> FileRecord:
-    """``torch.save`` then fsync (the marker may vouch for the file only once it is durable).
+def write_torch_file(obj: Any, path: str, storage: Storage | None = None) -> FileRecord:
+    """``torch.save`` made durable (fsynced, or uploaded) before returning: the marker vouches for it.
 
     Returns the file's size and checksum, computed while writing.
     """
-    with open(path, "wb") as raw:
+    with (storage or LocalStorage("/")).open_write(path) as raw:
         writer = HashingWriter(raw)
         torch.save(obj, writer)
         writer.flush()
-        os.fsync(raw.fileno())
     return writer.record()
+
+
+def read_torch_file(storage: Storage, path: str, mmap: bool = False) -> Any:
+    """A weights-only load from any storage; local files may be memory-mapped (read lazily)."""
+    if storage.is_local:
+        return safe_torch_load(path, mmap=mmap)
+    return safe_torch_load(io.BytesIO(storage.read_bytes(path)), name=path)
 
 
 def unexpected_keys(saved: set[str], wanted: set[str]) -> list[str]:

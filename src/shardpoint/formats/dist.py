@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
@@ -43,14 +45,15 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardpoint import _comm
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
-from shardpoint.formats.base import FormatContext, Loaded, unexpected_keys, write_torch_file
+from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.integrity import HashingWriter
 from shardpoint.metadata import CheckpointMetadata, FileRecord
-from shardpoint.safe_io import load_dcp_metadata, safe_torch_load
+from shardpoint.safe_io import load_dcp_metadata
 from shardpoint.sharding import Shard
 from shardpoint.state import FlatState
+from shardpoint.storage import Storage
 
-__all__ = ["DistFormat", "ShardLoadPlanner", "ShardSavePlanner"]
+__all__ = ["DistFormat", "SafeFileSystemReader", "ShardLoadPlanner", "ShardSavePlanner", "dcp_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -108,20 +111,28 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         raise UnsafeCheckpointError(f"{self.where}: entry {read_item.dest_index.fqn!r} is a pickled object; refusing")
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader, with ``.metadata`` unpickled by the restricted unpickler."""
+class _SafeMetadata:
+    """DCP's ``read_metadata``, with ``.metadata`` unpickled by the restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = os.path.join(self.path, DCP_METADATA)
+        path = self.fs.concat_path(self.path, DCP_METADATA)
         try:
-            with open(path, "rb") as f:
+            with self.fs.create_stream(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path} is missing; the dist checkpoint is incomplete") from None
-        metadata = load_dcp_metadata(data, path)
+        metadata = load_dcp_metadata(data, str(path))
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path} does not hold DCP metadata")
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """DCP's local reader, with safe metadata loading."""
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """DCP's fsspec reader (object storage: ranged reads), with safe metadata loading."""
 
 
 class HashingFileSystem(FileSystem):
@@ -165,6 +176,57 @@ class HashingFileSystemWriter(FileSystemWriter):
         return {os.path.relpath(p, root): r for p, r in self.fs.records.items()}
 
 
+class HashingFsspecFileSystem(FsspecFileSystem):
+    """DCP's fsspec filesystem (uploads on close), recording size and checksum of what it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, FileRecord] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            writer = HashingWriter(raw)
+            yield writer
+        with self._lock:
+            self.records[os.fspath(path)] = writer.record()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if os.fspath(path) in self.records:
+                self.records[os.fspath(new_path)] = self.records.pop(os.fspath(path))
+
+
+class HashingFsspecWriter(FsspecWriter):
+    """DCP's FsspecWriter (object storage) with checksums computed while uploading."""
+
+    def __init__(self, path: str, **kwargs: Any):
+        super().__init__(path, sync_files=False, **kwargs)
+        self.fs = HashingFsspecFileSystem()
+        self.path = self.fs.init_path(path)
+
+    def records(self) -> dict[str, FileRecord]:
+        root = os.fspath(self.path).rstrip("/") + "/"
+        return {p.removeprefix(root): r for p, r in self.fs.records.items()}
+
+
+def _writer(ctx: FormatContext) -> HashingFileSystemWriter | HashingFsspecWriter:
+    if ctx.storage.is_local:
+        return HashingFileSystemWriter(ctx.directory, sync_files=True, thread_count=ctx.thread_count)
+    return HashingFsspecWriter(ctx.directory, thread_count=ctx.thread_count)
+
+
+def dcp_reader(storage: Storage, directory: str) -> FileSystemReader:
+    """A DCP reader for ``directory`` on ``storage`` that never unpickles more than DCP metadata."""
+    return SafeFileSystemReader(directory) if storage.is_local else SafeFsspecReader(directory)
+
+
 class DistFormat:
     """``format="dist"``: sharded, deduplicated, reshardable on load."""
 
@@ -172,9 +234,9 @@ class DistFormat:
 
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         rank = _comm.rank()
-        directory = ctx.directory
-        os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-        writer = HashingFileSystemWriter(directory, sync_files=True, thread_count=ctx.thread_count)
+        storage, directory = ctx.storage, ctx.directory
+        storage.makedirs(storage.join(directory, "rng"))
+        writer = _writer(ctx)
         state_dict = {key: shard.tensor for key, shard in flat.tensors.items()}
         with _dcp_errors(directory):
             dcp.save(
@@ -186,16 +248,17 @@ class DistFormat:
             )
         files = writer.records()
         if flat.per_rank:
-            files[rng_file(rank)] = write_torch_file(flat.per_rank, os.path.join(directory, rng_file(rank)))
+            path = storage.join(directory, rng_file(rank))
+            files[rng_file(rank)] = write_torch_file(flat.per_rank, path, storage)
         if rank == 0:
-            files[COMMON_FILE] = write_torch_file(flat.common, os.path.join(directory, COMMON_FILE))
+            files[COMMON_FILE] = write_torch_file(flat.common, storage.join(directory, COMMON_FILE), storage)
         return files
 
     def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
         return sorted(meta.files)
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
-        reader = SafeFileSystemReader(ctx.directory)
+        reader = dcp_reader(ctx.storage, ctx.directory)
         metadata = _comm.agree(reader.read_metadata, "reading DCP metadata")
         missing, unexpected = _compare_keys(flat.tensors, metadata, ctx.directory)
         _check_shapes(flat.tensors, metadata, meta, ctx)
@@ -207,7 +270,7 @@ class DistFormat:
                 planner=ShardLoadPlanner(present, ctx.directory),
                 no_dist=not _comm.initialized(),
             )
-        common = safe_torch_load(os.path.join(ctx.directory, COMMON_FILE))
+        common = read_torch_file(ctx.storage, ctx.storage.join(ctx.directory, COMMON_FILE))
         return Loaded(common, self._per_rank(ctx, meta), missing, unexpected)
 
     def _per_rank(self, ctx: FormatContext, meta: CheckpointMetadata) -> dict[str, Any] | None:
@@ -219,8 +282,8 @@ class DistFormat:
                     meta.topology,
                 )
             return None
-        path = os.path.join(ctx.directory, rng_file(ctx.topology.rank))
-        return safe_torch_load(path) if os.path.exists(path) else None
+        path = ctx.storage.join(ctx.directory, rng_file(ctx.topology.rank))
+        return read_torch_file(ctx.storage, path) if ctx.storage.exists(path) else None
 
 
 @contextmanager

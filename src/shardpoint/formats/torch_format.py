@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 import torch
 
 from shardpoint import _comm
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
-from shardpoint.formats.base import FormatContext, Loaded, unexpected_keys, write_torch_file
+from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.metadata import CheckpointMetadata, FileRecord
-from shardpoint.safe_io import safe_torch_load
 from shardpoint.sharding import Shard, copy_overlap
 from shardpoint.state import OPTIM_PREFIX, FlatState
-from shardpoint.topology import mp_rank_name
+from shardpoint.storage import Storage
+from shardpoint.topology import Topology, mp_rank_name
 
 __all__ = ["TorchFormat"]
 
@@ -53,13 +52,12 @@ class TorchFormat:
         folder = topo.mp_rank_name
         dp_sharded = {k: s for k, s in flat.tensors.items() if ctx.distributed_optimizer and k.startswith(OPTIM_PREFIX)}
         plain = {k: s for k, s in flat.tensors.items() if k not in dp_sharded}
-        dp_root = topo.rank_of(tp=topo.tp_rank, pp=topo.pp_rank, dp=0)
-        group = topo.dp_group() if topo.dp_size > 1 else None
-        rng_states = _comm.gather_to(flat.per_rank.get("rng"), dp_root, group)
-        pieces = _comm.gather_to(_pieces(dp_sharded), dp_root, group) if dp_sharded else None
+        rng_states = self._gather_over_dp(topo, flat.per_rank.get("rng"))
+        pieces = self._gather_over_dp(topo, _pieces(dp_sharded)) if dp_sharded else None
         if topo.dp_rank != 0:
             return {}
-        os.makedirs(os.path.join(ctx.directory, folder), exist_ok=True)
+        storage = ctx.storage
+        storage.makedirs(storage.join(ctx.directory, folder))
         payload = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": flat.common["iteration"],
@@ -76,7 +74,7 @@ class TorchFormat:
             "topology": topo.describe(),
         }
         main_name = f"{folder}/{MAIN_FILE}"
-        files = {main_name: write_torch_file(payload, os.path.join(ctx.directory, main_name))}
+        files = {main_name: write_torch_file(payload, storage.join(ctx.directory, main_name), storage)}
         if pieces is not None:
             merged: dict[str, list[dict[str, Any]]] = {}
             for rank_pieces in pieces:
@@ -84,9 +82,17 @@ class TorchFormat:
                     merged.setdefault(key, []).extend(items)
             name = f"{folder}/{DISTRIB_OPTIM_FILE}"
             files[name] = write_torch_file(
-                {"pieces": merged, "dp_size": topo.dp_size}, os.path.join(ctx.directory, name)
+                {"pieces": merged, "dp_size": topo.dp_size}, storage.join(ctx.directory, name), storage
             )
         return files
+
+    @staticmethod
+    def _gather_over_dp(topo: Topology, obj: Any) -> list[Any] | None:
+        """Every dp rank's ``obj`` on dp rank 0 of this model-parallel rank (None elsewhere)."""
+        if topo.dp_size == 1:
+            return [obj]
+        dp_root = topo.rank_of(tp=topo.tp_rank, pp=topo.pp_rank, dp=0)
+        return _comm.gather_to(obj, dp_root, topo.dp_group())
 
     def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
         folder = mp_rank_name(ctx.topology.tp_rank, ctx.topology.pp_rank, meta.topology["pp"])
@@ -94,11 +100,12 @@ class TorchFormat:
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
         _check_layout(ctx, meta)
-        folder = os.path.join(ctx.directory, ctx.topology.mp_rank_name)
-        main_path = os.path.join(folder, MAIN_FILE)
-        payload = _comm.agree(lambda: _read(main_path), "reading the torch-format checkpoint")
-        distrib_path = os.path.join(folder, DISTRIB_OPTIM_FILE)
-        pieces = safe_torch_load(distrib_path, mmap=True)["pieces"] if os.path.exists(distrib_path) else None
+        storage = ctx.storage
+        folder = storage.join(ctx.directory, ctx.topology.mp_rank_name)
+        main_path = storage.join(folder, MAIN_FILE)
+        payload = _comm.agree(lambda: _read(storage, main_path), "reading the torch-format checkpoint")
+        distrib_path = storage.join(folder, DISTRIB_OPTIM_FILE)
+        pieces = read_torch_file(storage, distrib_path, mmap=True)["pieces"] if storage.exists(distrib_path) else None
         stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
         missing = _fill(flat, stored, payload.get("sharding", {}), pieces, main_path)
         missing = sorted(set().union(*_comm.all_gather(missing)))
@@ -120,10 +127,10 @@ def _check_layout(ctx: FormatContext, meta: CheckpointMetadata) -> None:
         )
 
 
-def _read(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
+def _read(storage: Storage, path: str) -> dict[str, Any]:
+    if not storage.exists(path):
         raise CorruptCheckpointError(f"{path} is missing; the checkpoint is incomplete")
-    return safe_torch_load(path, mmap=True)
+    return read_torch_file(storage, path, mmap=True)
 
 
 def _fill(
