@@ -106,8 +106,10 @@ def to_hf_state_dict(
     return {k: v.detach().to(dtype).contiguous().clone() for k, v in out.items()}
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """``GPT2LMHeadModel`` (or ``GPT2Model``) state dict -> our global-key tensors.
+def from_hf_state_dict(
+    hf: dict[str, torch.Tensor], cfg: GPTConfig, where: str = "the Hugging Face weights"
+) -> dict[str, torch.Tensor]:
+    """``GPT2LMHeadModel`` (or ``GPT2Model``) state dict -> our global-key float32 tensors.
 
     Raises:
         MissingKeysError: a GPT-2 tensor the model needs is not in ``hf``.
@@ -118,7 +120,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str,
     ]
     missing = [k for k in wanted if k not in hf]
     if missing:
-        raise sp.MissingKeysError("the Hugging Face weights", missing, [])
+        raise sp.MissingKeysError(where, missing, [])
     out = {ours: hf[hf_key] for ours, hf_key in _TOP_MAP}
     for i in range(cfg.num_layers):
         for ours, hf_key, linear in _LAYER_MAP:
@@ -126,7 +128,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str,
             t = t.t() if linear else t
             if ours.startswith("self_attention.linear_qkv"):
                 t = _qkv_from_hf(t, cfg)
-            out[f"decoder.layers.{i}.{ours}"] = t.float().contiguous()
+            out[f"decoder.layers.{i}.{ours}"] = t
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
@@ -297,7 +299,7 @@ def _read_hf(hf_dir: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
             )
     with open(config_path) as f:
         cfg = config_from_hf(json.load(f), config_path)
-    return cfg, from_hf_state_dict(load_file(weights_path), cfg)
+    return cfg, from_hf_state_dict(load_file(weights_path), cfg, weights_path)
 
 
 def _save_release(
