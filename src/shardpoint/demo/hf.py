@@ -303,10 +303,10 @@ def _read_hf(hf_dir: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
 
 
 def _save_release(
-    cfg: GPTConfig, tensors: dict[str, torch.Tensor], dst_dir: str, tp: int, pp: int, format: str, dp: int = 1
+    cfg: GPTConfig, tensors: dict[str, torch.Tensor], dst_dir: str, tp: int, pp: int, format: str
 ) -> None:
     """Build this rank's model at (tp, pp), fill it from the full tensors, save it as the release checkpoint."""
-    ps = build_parallel_state(tp, pp, dp, device=torch.device("cpu"))
+    ps = build_parallel_state(tp, pp, 1, device=torch.device("cpu"))
     model = GPTModel(cfg, ps, RNGTracker(0, ps))
     shards = model.sharded_state_dict()
     unknown = sorted(set(shards) - set(tensors))
@@ -326,7 +326,7 @@ def _save_release(
 
 def _import_rank(rank: int, world: int, hf_dir: str, dst_dir: str, tp: int, pp: int, format: str) -> None:
     cfg, tensors = _read_hf(hf_dir)
-    _save_release(cfg, tensors, dst_dir, tp, pp, format, dp=world // (tp * pp))
+    _save_release(cfg, tensors, dst_dir, tp, pp, format)
 
 
 def import_hf(hf_dir: str, dst_dir: str, tp: int, pp: int, format: str = "dist") -> None:
@@ -354,10 +354,7 @@ def import_hf(hf_dir: str, dst_dir: str, tp: int, pp: int, format: str = "dist")
             )
         _save_release(cfg, tensors, dst_dir, 1, 1, format)
     else:
-        # Two data-parallel replicas although one would do: the torch format's save gathers RNG
-        # state over the world instead of over a one-rank dp group when dp == 1 (a library bug,
-        # a collective mismatch that hangs); data-parallel rank 0 writes the files either way.
-        run_function(_import_rank, 2 * tp * pp, hf_dir, dst_dir, tp, pp, format)
+        run_function(_import_rank, tp * pp, hf_dir, dst_dir, tp, pp, format)
     log.info(
         "imported %s into %s as a release checkpoint (%s format, for tp=%d pp=%d)", hf_dir, dst_dir, format, tp, pp
     )
