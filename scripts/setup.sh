@@ -8,7 +8,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.shardpoint-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,demo]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,demo,s3]" 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -c "import torch, shardpoint" && touch "$stamp"
 fi

@@ -41,20 +41,12 @@ from shardpoint.integrity import verify_files
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata
-from shardpoint.policy import (
-    AnySaveDecision,
-    BestN,
-    CheckpointInfo,
-    EveryNMinutes,
-    EveryNSteps,
-    KeepEvery,
-    LatestN,
-    PreservationPolicy,
-    select_for_deletion,
-)
+from shardpoint.policy import AnySaveDecision, BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN, PreservationPolicy
+from shardpoint.retention import apply_retention
 from shardpoint.state import OPTIM_PREFIX, FlatState, TrainState, collect, load_optimizer_shards, restore
 from shardpoint.storage import as_storage_error, open_storage
 from shardpoint.topology import Topology
+from shardpoint.upload import RemoteMirror
 
 __all__ = ["Checkpointer", "LoadResult"]
 
@@ -119,6 +111,9 @@ class Checkpointer:
         allow_config_mismatch: config keys that may differ between save and load.
         verify: check file checksums on load (sizes are always checked).
         thread_count: writer threads per rank for the ``dist`` format.
+        upload_to: local-first mode: after each local commit, copy the checkpoint to
+            this ``s3://`` prefix in the background and move the remote tracker when the
+            upload is complete (see :mod:`shardpoint.upload`).
 
     Example:
         >>> ckpt = Checkpointer("runs/gpt", topology=topo, save_interval=100, keep_last=3)
@@ -147,6 +142,7 @@ class Checkpointer:
         allow_config_mismatch: Iterable[str] = (),
         verify: bool = True,
         thread_count: int = 1,
+        upload_to: str | None = None,
     ):
         if async_save and format != "dist":
             raise ValueError(f"async_save=True needs format='dist' (got format={format!r})")
@@ -183,6 +179,7 @@ class Checkpointer:
         self.total_save_seconds = 0.0
         self.last_saved_iteration: int | None = None
         self._last_save_time = time.time()
+        self.mirror = RemoteMirror(upload_to, self.layout, self.preservation) if upload_to else None
         # object stores have no flock: one writer per prefix is the user's to ensure there
         self._lock = DirectoryLock(self.root) if self.storage.is_local else None
         if _comm.rank() == 0 and self.storage.is_dir(self.root):
@@ -336,12 +333,19 @@ class Checkpointer:
                 self.storage.remove(tmp)
             raise
         if rank == 0:
-            self._apply_retention()
+            apply_retention(self.storage, self.root, self.layout, self.preservation)
         self._record_timing(pending.start, meta, pending.final)
+        if self.mirror is not None:
+            self.mirror.start(pending.final, list(records), pending.iteration)
         return pending.final
 
     def _finalize(self, blocking: bool) -> None:
-        """Commit the pending async save once every rank's background write is done."""
+        """Commit the pending async save, then the pending upload, once every rank is done with it."""
+        self._finalize_save(blocking)
+        if self.mirror is not None:
+            self.mirror.poll(blocking)
+
+    def _finalize_save(self, blocking: bool) -> None:
         pending = self._pending
         if pending is None or pending.writer is None:
             return
@@ -414,25 +418,6 @@ class Checkpointer:
         faults.hit("before-tracker", 0)
         if update_tracker:
             commit.write_tracker(self.storage, self.root, self.layout, None if meta.release else meta.iteration)
-
-    def _apply_retention(self) -> None:
-        """Delete checkpoints no preservation policy keeps; a failure here only warns."""
-        if not self.preservation:
-            return
-        try:
-            faults.hit("during-retention", 0)
-            entries = [
-                e
-                for e in commit.list_checkpoints(self.storage, self.root, self.layout)
-                if e.committed and e.iteration is not None
-            ]
-            _, tracked = commit.read_tracker(self.storage, self.root, self.layout)
-            infos = [CheckpointInfo(e.iteration, e.meta.metrics) for e in entries]
-            for iteration in select_for_deletion(infos, self.preservation, {tracked} if tracked is not None else set()):
-                self.storage.remove(self.storage.join(self.root, self.layout.dir_name(iteration)))
-                log.info("retention removed %s", self.layout.dir_name(iteration))
-        except (OSError, CheckpointError) as exc:
-            log.warning("retention could not delete old checkpoints under %s: %s", self.root, exc)
 
     def _record_timing(self, start: float, meta: CheckpointMetadata, final: str) -> None:
         self.last_save_seconds = time.perf_counter() - start

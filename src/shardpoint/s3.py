@@ -14,6 +14,7 @@ next start. Transient errors are retried with exponential backoff by botocore
 
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,18 +24,31 @@ from shardpoint.errors import StorageError
 
 __all__ = ["S3Storage", "s3_filesystem"]
 
-RETRIES = {"max_attempts": 6, "mode": "standard"}
 
 
 def s3_filesystem() -> Any:
-    """A fresh s3fs filesystem with retries and without listing caches (other ranks change the store)."""
-    import s3fs
+    """A fresh s3fs filesystem with retries and without listing caches (other ranks change the store).
 
-    return s3fs.S3FileSystem(
+    ``SHARDPOINT_S3_TIMEOUT`` (seconds, default 60) bounds each request and
+    ``SHARDPOINT_S3_RETRIES`` (default 6) counts attempts, with exponential backoff.
+    """
+    try:
+        import s3fs
+    except ImportError:
+        raise StorageError("s3:// paths need the s3fs package: pip install 'shardpoint[s3]'") from None
+    timeout = float(os.environ.get("SHARDPOINT_S3_TIMEOUT", "60"))
+    attempts = int(os.environ.get("SHARDPOINT_S3_RETRIES", "6"))
+    fs = s3fs.S3FileSystem(
         skip_instance_cache=True,
         use_listings_cache=False,
-        config_kwargs={"retries": RETRIES, "connect_timeout": 5, "read_timeout": 60},
+        config_kwargs={
+            "retries": {"max_attempts": attempts, "mode": "standard"},
+            "connect_timeout": min(timeout, 10),
+            "read_timeout": timeout,
+        },
     )
+    fs.retries = attempts  # s3fs retries some errors itself, on top of botocore
+    return fs
 
 
 class S3Storage:
