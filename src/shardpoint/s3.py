@@ -25,7 +25,6 @@ from shardpoint.errors import StorageError
 __all__ = ["S3Storage", "s3_filesystem"]
 
 
-
 def s3_filesystem() -> Any:
     """A fresh s3fs filesystem with retries and without listing caches (other ranks change the store).
 
