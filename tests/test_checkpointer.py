@@ -283,3 +283,29 @@ def test_marker_is_json_with_files_and_checksums(tmp_path):
     for name, record in marker["files"].items():
         assert os.path.getsize(os.path.join(path, name)) == record["size"]
         assert len(record["xxh3_64"]) == 16
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_validation_logits_are_stored_checksummed_and_returned(tmp_path, async_save):
+    state = make_state()
+    batch = torch.ones(2, 4)
+    calls = []
+
+    def logits():
+        calls.append(1)
+        return {"tokens": batch, "logits": state.model(batch).detach()}
+
+    ckpt = sp.Checkpointer(tmp_path, save_interval=2, async_save=async_save)
+    assert not ckpt.maybe_save(1, state, validation_logits=logits)
+    assert calls == []  # computed only when a save happens
+    assert ckpt.maybe_save(2, state, validation_logits=logits)
+    expected = logits()["logits"]
+    train(state)  # changes the weights right after the save
+    ckpt.close()
+    marker = json.loads((tmp_path / "iter_0000002" / "shardpoint.json").read_text())
+    assert marker["validation_logits"] == "validation_logits.pt" and "validation_logits.pt" in marker["files"]
+    result = sp.Checkpointer(tmp_path).load(make_state(3))
+    assert torch.equal(result.read_validation_logits()["logits"], expected)
+    no_logits = sp.Checkpointer(tmp_path / "plain")
+    no_logits.save(1, state)
+    assert sp.Checkpointer(tmp_path / "plain").load(make_state(3)).read_validation_logits() is None

@@ -37,6 +37,7 @@ from shardpoint.errors import (
     StorageError,
 )
 from shardpoint.formats import FormatContext, Loaded, get_format
+from shardpoint.formats.base import read_torch_file, write_torch_file
 from shardpoint.integrity import verify_files
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
@@ -44,13 +45,15 @@ from shardpoint.metadata import CheckpointMetadata
 from shardpoint.policy import AnySaveDecision, BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN, PreservationPolicy
 from shardpoint.retention import apply_retention
 from shardpoint.state import OPTIM_PREFIX, FlatState, TrainState, collect, load_optimizer_shards, restore
-from shardpoint.storage import as_storage_error, open_storage
+from shardpoint.storage import Storage, as_storage_error, open_storage
 from shardpoint.topology import Topology
 from shardpoint.upload import RemoteMirror
 
-__all__ = ["Checkpointer", "LoadResult"]
+__all__ = ["VALIDATION_FILE", "Checkpointer", "LoadResult"]
 
 log = logging.getLogger(__name__)
+
+VALIDATION_FILE = "validation_logits.pt"
 
 
 @dataclass
@@ -67,6 +70,7 @@ class _PendingSave:
     ctx: FormatContext | None = None  # set once the temporary directory exists
     needed: int = 0
     writer: BackgroundWrite | None = None
+    attachments: dict[str, Any] = field(default_factory=dict)  # extra files this rank writes (validation logits)
 
 
 @dataclass
@@ -88,6 +92,13 @@ class LoadResult:
     finetune: bool
     extra: dict[str, Any]
     metadata: CheckpointMetadata
+    storage: Storage | None = field(default=None, repr=False)
+
+    def read_validation_logits(self) -> Any:
+        """What was passed as ``validation_logits`` at save (checksum-verified with the rest), or None."""
+        if self.metadata.validation_logits is None or self.storage is None:
+            return None
+        return read_torch_file(self.storage, self.storage.join(self.path, self.metadata.validation_logits))
 
 
 class Checkpointer:
@@ -196,19 +207,43 @@ class Checkpointer:
                 self._lock.release()
 
     # ----------------------------------------------------------------- saving
-    def maybe_save(self, iteration: int, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> bool:
-        """Save if the save policy says so at ``iteration``; returns whether it saved."""
+    def maybe_save(
+        self,
+        iteration: int,
+        state: TrainState,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        validation_logits: Any = None,
+    ) -> bool:
+        """Save if the save policy says so at ``iteration``; returns whether it saved.
+
+        ``validation_logits`` may be a callable, called (on every rank) only when a
+        save happens, since computing logits costs a forward pass.
+        """
         self._finalize(blocking=False)
         decision = self.save_policy.should_save(iteration, time.time(), self._last_save_time)
         if self._time_based:
             decision = _comm.broadcast(decision)
         if decision and iteration != self.last_saved_iteration:
-            self.save(iteration, state, metrics=metrics)
+            self.save(iteration, state, metrics=metrics, validation_logits=validation_logits)
             return True
         return False
 
-    def save(self, iteration: int, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> str:
+    def save(
+        self,
+        iteration: int,
+        state: TrainState,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        validation_logits: Any = None,
+    ) -> str:
         """Save now; every rank calls this. Returns the checkpoint directory.
+
+        ``validation_logits`` (GPT-NeoX's forward-pass validation): logits of a fixed
+        batch, or a callable returning them, passed by the one rank that holds them
+        (None elsewhere). They are stored as ``validation_logits.pt``, checksummed and
+        named in ``shardpoint.json``; after a load, compare them with
+        :meth:`LoadResult.read_validation_logits`.
 
         Synchronous saves are committed when this returns. With ``async_save`` this
         returns after copying the state to host memory; the checkpoint is committed by
@@ -225,7 +260,11 @@ class Checkpointer:
         start = time.perf_counter()
         self._finalize(blocking=True)
         flat = collect(state, iteration=iteration)
-        path = self._write(iteration, flat, metrics or {}, state.extra, background=self.async_save)
+        logits = validation_logits() if callable(validation_logits) else validation_logits
+        attachments = {VALIDATION_FILE: logits} if logits is not None else {}
+        path = self._write(
+            iteration, flat, metrics or {}, state.extra, background=self.async_save, attachments=attachments
+        )
         self.last_saved_iteration = iteration
         if self.async_save:
             self.last_stall_seconds = time.perf_counter() - start
@@ -264,12 +303,14 @@ class Checkpointer:
         extra: Mapping[str, Any],
         update_tracker: bool = True,
         background: bool = False,
+        attachments: Mapping[str, Any] | None = None,
     ) -> str:
         flat.common["config"] = self.config
         name = self.layout.dir_name(iteration)
         pending = _PendingSave(
             iteration, self.storage.join(self.root, name), flat, dict(metrics), dict(extra), update_tracker
         )
+        pending.attachments = {k: _detached_copy(v) for k, v in (attachments or {}).items()}
         if background:
             pending.flat = self._buffers.snapshot(flat)
             pending.writer = BackgroundWrite(lambda: self._open_and_write(pending, self._async_group)).start()
@@ -378,6 +419,8 @@ class Checkpointer:
         try:
             faults.hit("before-data", rank)
             records = self.format.save(ctx, pending.flat)
+            for name, obj in pending.attachments.items():
+                records[name] = write_torch_file(obj, self.storage.join(ctx.directory, name), self.storage)
             faults.hit("mid-data", rank)
             faults.hit("after-data", rank)
         except (OSError, RuntimeError) as exc:
@@ -407,6 +450,7 @@ class Checkpointer:
             consumed_samples=_optional_int(extra.get("consumed_samples")),
             flops=_optional_float(extra.get("flops")),
             metrics={k: float(v) for k, v in metrics.items()},
+            validation_logits=VALIDATION_FILE if VALIDATION_FILE in files else None,
             wall_time=time.time(),
             save_seconds=seconds,
             library_version=__version__,
@@ -493,7 +537,13 @@ class Checkpointer:
             restore(state, loaded.common, loaded.per_rank if load_rng else None, include_optimizer=load_optimizer)
         log.info("loaded %s (iteration %d%s)", path, meta.iteration, ", finetune" if finetune else "")
         return LoadResult(
-            0 if finetune else meta.iteration, meta.release, path, finetune, dict(loaded.common.get("extra", {})), meta
+            0 if finetune else meta.iteration,
+            meta.release,
+            path,
+            finetune,
+            dict(loaded.common.get("extra", {})),
+            meta,
+            self.storage,
         )
 
     def _resolve(self, iteration: int | None, fallback: bool) -> tuple[str, str] | None:
@@ -588,6 +638,15 @@ def _deduplicated_bytes(flat: FlatState, group: Any = None) -> int:
     for part in _comm.all_gather(local, group):
         merged.update(part)
     return sum(merged.values())
+
+
+def _detached_copy(value: Any) -> Any:
+    """Attachments are written later (async saves): keep what they were at the call."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, Mapping):
+        return {k: _detached_copy(v) for k, v in value.items()}
+    return value
 
 
 def _json_config(config: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from shardpoint.demo.parallel import ParallelState, build_parallel_state, pick_d
 from shardpoint.demo.pipeline import forward_backward
 from shardpoint.demo.preemption import ExitSignalHandler, agree_to_exit
 from shardpoint.demo.rng_tracker import RNGTracker
-from shardpoint.demo.validation import check_validation_logits, save_validation_logits, validation_tokens
+from shardpoint.demo.validation import check_validation_logits, validation_logits, validation_tokens
 
 __all__ = ["SaveRecord", "StepInfo", "TrainConfig", "TrainResult", "Trainer", "cosine_with_warmup"]
 
@@ -216,7 +216,7 @@ class Trainer:
         diff = None
         if self.cfg.validate_forward:
             diff = check_validation_logits(
-                self.model, self.ps, result.path, self.validation_tokens, self.cfg.validation_tolerance
+                self.model, self.ps, result, self.validation_tokens, self.cfg.validation_tolerance
             )
         return start, result.path, diff
 
@@ -257,16 +257,17 @@ class Trainer:
 
     def save(self, iteration: int, *, policy: bool) -> bool:
         """Save at ``iteration`` (``policy``: only if the save interval says so); returns whether it saved."""
+        logits = None
+        if self.cfg.validate_forward:
+            logits = partial(validation_logits, self.model, self.ps, self.validation_tokens)
         if policy:
-            if not self.ckpt.maybe_save(iteration, self.state):
+            if not self.ckpt.maybe_save(iteration, self.state, validation_logits=logits):
                 return False
         elif self.ckpt.last_saved_iteration == iteration:
             return False
         else:
-            self.ckpt.save(iteration, self.state)
-        path = os.path.join(self.ckpt.root, self.ckpt.layout.dir_name(iteration))
-        if self.cfg.validate_forward:
-            save_validation_logits(self.model, self.ps, path, self.validation_tokens)
+            self.ckpt.save(iteration, self.state, validation_logits=logits)
+        path = self.ckpt.storage.join(self.ckpt.root, self.ckpt.layout.dir_name(iteration))
         size = commit.read_marker(self.ckpt.storage, path).total_bytes if self.ps.topology.rank == 0 else 0
         self.saves.append(SaveRecord(iteration, self.ckpt.last_save_seconds, size))
         return True

@@ -6,18 +6,17 @@ memory corrupted before the checksum was taken all pass them). So at each save t
 logits of a fixed batch are stored beside the checkpoint, and after a load the same
 batch is run again and compared.
 
-The logits go to ``<checkpoint>/validation_logits.pt``, written after the commit by
-the one rank that holds them (last pipeline stage, tp rank 0, dp rank 0), through a
-temporary file and ``os.replace``. A checkpoint without the file (saved without
-validation, or a crash between commit and this write) is loaded with a warning and
-not validated. The comparison works at any layout: logits are gathered over tp
+The logits are handed to ``Checkpointer.save(validation_logits=...)`` by the one rank
+that holds them (last pipeline stage, tp rank 0, dp rank 0), so they are written
+inside the checkpoint before its commit, checksummed and named in
+``shardpoint.json``. A checkpoint saved without validation is loaded with a warning
+and not validated. The comparison works at any layout: logits are gathered over tp
 first, and rounding differences between layouts stay far below the tolerance.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -27,13 +26,12 @@ from shardpoint.demo.data import SampleStream
 from shardpoint.demo.model import GPTModel
 from shardpoint.demo.parallel import ParallelState
 from shardpoint.demo.pipeline import forward_logits
-from shardpoint.safe_io import safe_torch_load
 
-__all__ = ["VALIDATION_FILE", "check_validation_logits", "save_validation_logits", "validation_tokens"]
+__all__ = ["VALIDATION_FILE", "check_validation_logits", "validation_logits", "validation_tokens"]
 
 log = logging.getLogger(__name__)
 
-VALIDATION_FILE = "validation_logits.pt"
+VALIDATION_FILE = sp.checkpointer.VALIDATION_FILE
 _STREAM_OFFSET = 7_777_777
 _MISSING = -1.0
 
@@ -47,22 +45,16 @@ def _holder(ps: ParallelState) -> bool:
     return ps.is_last_stage and ps.tp_rank == 0 and ps.dp_rank == 0
 
 
-def save_validation_logits(model: GPTModel, ps: ParallelState, checkpoint_dir: str, tokens: torch.Tensor) -> None:
-    """Every rank calls this after ``ckpt.save`` returned; one rank writes the file."""
+def validation_logits(model: GPTModel, ps: ParallelState, tokens: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """What to pass as ``validation_logits`` to a save: every rank calls this, one rank gets a value."""
     logits = forward_logits(model, ps, tokens.to(ps.device))
     if logits is None or not _holder(ps):
-        return
-    path = os.path.join(checkpoint_dir, VALIDATION_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save({"tokens": tokens.cpu(), "logits": logits.cpu()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        return None
+    return {"tokens": tokens.cpu(), "logits": logits.cpu()}
 
 
 def check_validation_logits(
-    model: GPTModel, ps: ParallelState, checkpoint_dir: str, tokens: torch.Tensor, tolerance: float
+    model: GPTModel, ps: ParallelState, result: sp.LoadResult, tokens: torch.Tensor, tolerance: float
 ) -> float | None:
     """Compare the model's logits with those saved; every rank calls this after loading.
 
@@ -72,10 +64,11 @@ def check_validation_logits(
     Raises:
         ValidationError: on every rank, when the difference exceeds ``tolerance``.
     """
+    checkpoint_dir = result.path
     logits = forward_logits(model, ps, tokens.to(ps.device))
     diff = torch.tensor([float("-inf")], device=ps.device)
     if logits is not None and _holder(ps):
-        diff[0] = _difference(os.path.join(checkpoint_dir, VALIDATION_FILE), tokens, logits.cpu())
+        diff[0] = _difference(result.read_validation_logits(), tokens, logits.cpu())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     value = float(diff[0])
@@ -93,10 +86,9 @@ def check_validation_logits(
     return value
 
 
-def _difference(path: str, tokens: torch.Tensor, logits: torch.Tensor) -> float:
-    if not os.path.exists(path):
+def _difference(saved: dict[str, torch.Tensor] | None, tokens: torch.Tensor, logits: torch.Tensor) -> float:
+    if saved is None:
         return _MISSING
-    saved = safe_torch_load(path)
     if not torch.equal(saved["tokens"], tokens.cpu()) or saved["logits"].shape != logits.shape:
         return float("inf")
     return float((saved["logits"].float() - logits.float()).abs().max())
