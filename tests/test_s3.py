@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -147,3 +148,42 @@ def test_local_first_upload_interrupted_and_resumed(s3_server, bucket, tmp_path)
     fresh = make_state(6)
     assert sp.Checkpointer(remote).load(fresh).iteration == 2
     assert_same(state, fresh)
+
+
+def test_bench_reports_upload_and_download_against_the_server(s3_server, bucket):
+    env = {**os.environ, **s3_server.env}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardpoint.cli",
+            "bench",
+            "--size",
+            "2MB",
+            "--ranks",
+            "2",
+            "--repeat",
+            "1",
+            "--dir",
+            f"{bucket}/bench",
+            "--json",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (report,) = json.loads(out.stdout)
+    rows = {row["name"]: row for row in report["rows"]}
+    for name in (
+        "sequential write+fsync",
+        "sequential read",
+        "shardpoint save",
+        "shardpoint load",
+        "shardpoint load (resharded)",
+    ):
+        assert rows[name]["median_s"] > 0 and rows[name]["gb_per_s"] > 0
+    assert "dcp save" not in rows  # the local-file baselines are not run against object storage
+    assert not s3_filesystem().ls(bucket.removeprefix("s3://"))  # cleaned up
