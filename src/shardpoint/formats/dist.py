@@ -135,49 +135,8 @@ class SafeFsspecReader(_SafeMetadata, FsspecReader):
     """DCP's fsspec reader (object storage: ranged reads), with safe metadata loading."""
 
 
-class HashingFileSystem(FileSystem):
-    """DCP's local filesystem, recording size and checksum of every file it writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: dict[str, FileRecord] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with open(path, "wb") as raw:
-            writer = HashingWriter(raw)
-            yield writer
-            writer.flush()
-        with self._lock:
-            self.records[os.fspath(path)] = writer.record()
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
-        with self._lock:
-            if os.fspath(path) in self.records:
-                self.records[os.fspath(new_path)] = self.records.pop(os.fspath(path))
-
-
-class HashingFileSystemWriter(FileSystemWriter):
-    """DCP's FileSystemWriter whose files are checksummed while they are written."""
-
-    def __init__(self, path: str, **kwargs: Any):
-        super().__init__(path, **kwargs)
-        self.fs = HashingFileSystem()
-
-    def records(self) -> dict[str, FileRecord]:
-        """This rank's files, relative to the checkpoint directory."""
-        root = os.fspath(self.path)
-        return {os.path.relpath(p, root): r for p, r in self.fs.records.items()}
-
-
-class HashingFsspecFileSystem(FsspecFileSystem):
-    """DCP's fsspec filesystem (uploads on close), recording size and checksum of what it writes."""
+class _RecordingStreams:
+    """Mixin for DCP filesystems: record size and checksum of every file written through them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -193,6 +152,7 @@ class HashingFsspecFileSystem(FsspecFileSystem):
         with super().create_stream(path, mode) as raw:
             writer = HashingWriter(raw)
             yield writer
+            writer.flush()
         with self._lock:
             self.records[os.fspath(path)] = writer.record()
 
@@ -201,6 +161,27 @@ class HashingFsspecFileSystem(FsspecFileSystem):
         with self._lock:
             if os.fspath(path) in self.records:
                 self.records[os.fspath(new_path)] = self.records.pop(os.fspath(path))
+
+
+class HashingFileSystem(_RecordingStreams, FileSystem):
+    """DCP's local filesystem, recording what it writes."""
+
+
+class HashingFsspecFileSystem(_RecordingStreams, FsspecFileSystem):
+    """DCP's fsspec filesystem (uploads on close), recording what it writes."""
+
+
+class HashingFileSystemWriter(FileSystemWriter):
+    """DCP's FileSystemWriter whose files are checksummed while they are written."""
+
+    def __init__(self, path: str, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = HashingFileSystem()
+
+    def records(self) -> dict[str, FileRecord]:
+        """This rank's files, relative to the checkpoint directory."""
+        root = os.fspath(self.path)
+        return {os.path.relpath(p, root): r for p, r in self.fs.records.items()}
 
 
 class HashingFsspecWriter(FsspecWriter):
