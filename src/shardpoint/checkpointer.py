@@ -29,16 +29,14 @@ import torch
 from shardpoint import _comm, commit, faults
 from shardpoint._version import __version__
 from shardpoint.async_save import BackgroundWrite, SnapshotBuffers
+from shardpoint.discovery import find_checkpoint, verify_share
 from shardpoint.errors import (
-    CheckpointError,
     ConfigMismatchError,
-    CorruptCheckpointError,
     MissingKeysError,
     StorageError,
 )
 from shardpoint.formats import FormatContext, Loaded, get_format
 from shardpoint.formats.base import read_torch_file, write_torch_file
-from shardpoint.integrity import verify_files
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata
@@ -507,7 +505,12 @@ class Checkpointer:
         rank = _comm.rank()
         found = _comm.broadcast(
             _comm.agree(
-                lambda: self._resolve(iteration, verify and fallback) if rank == 0 else None, "finding the checkpoint"
+                lambda: (
+                    find_checkpoint(self.storage, self.root, self.layout, iteration, verify and fallback)
+                    if rank == 0
+                    else None
+                ),
+                "finding the checkpoint",
             )
         )
         if found is None:
@@ -519,7 +522,7 @@ class Checkpointer:
         fmt = get_format(meta.format)
         ctx = FormatContext(self.storage, path, self.topology, strict=strict)
         files = fmt.files_to_read(ctx, meta)
-        _comm.agree(lambda: _verify_share(self.storage, path, meta, files, verify), "verifying checkpoint files")
+        _comm.agree(lambda: verify_share(self.storage, path, meta, files, verify), "verifying checkpoint files")
         flat = collect(
             state,
             iteration=meta.iteration,
@@ -546,52 +549,6 @@ class Checkpointer:
             self.storage,
         )
 
-    def _resolve(self, iteration: int | None, fallback: bool) -> tuple[str, str] | None:
-        """Rank 0: the directory to load and its marker text, or None for a fresh start."""
-        if not self.storage.is_dir(self.root):
-            if self.storage.exists(self.root):
-                raise CheckpointError(f"{self.root} is a file, not a checkpoint directory; pass the save directory")
-            return None
-        layout = commit.detect_layout(self.storage, self.root, self.layout)
-        if iteration is None:
-            found, iteration = commit.read_tracker(self.storage, self.root, layout)
-            if not found:
-                return self._newest_without_tracker(layout)
-        path = self.storage.join(self.root, layout.dir_name(iteration))
-        if not self.storage.is_dir(path):
-            raise CorruptCheckpointError(
-                f"{path} does not exist, but it was asked for (tracker or iteration=); "
-                f"choose one of: {self._committed_names(layout) or 'none'}"
-            )
-        meta = commit.read_marker(self.storage, path)
-        if fallback:
-            return self._first_intact(layout, path, meta)
-        return path, meta.to_json()
-
-    def _newest_without_tracker(self, layout: Layout) -> tuple[str, str] | None:
-        entries = [e for e in commit.list_checkpoints(self.storage, self.root, layout) if e.committed]
-        if not entries:
-            return None
-        newest = entries[-1]
-        log.warning("no tracker file under %s; loading the newest committed checkpoint %s", self.root, newest.name)
-        return newest.path, newest.meta.to_json()
-
-    def _first_intact(self, layout: Layout, path: str, meta: CheckpointMetadata) -> tuple[str, str]:
-        candidates = [(path, meta)] + [
-            (e.path, e.meta)
-            for e in reversed(commit.list_checkpoints(self.storage, self.root, layout))
-            if e.committed and e.path != path and (meta.release or (e.iteration or 0) < meta.iteration)
-        ]
-        for candidate, candidate_meta in candidates:
-            problems = verify_files(self.storage, candidate, candidate_meta)
-            if not problems:
-                return candidate, candidate_meta.to_json()
-            log.warning("skipping damaged checkpoint %s: %s", candidate, "; ".join(map(str, problems)))
-        raise CorruptCheckpointError(f"no checkpoint under {self.root} passes verification")
-
-    def _committed_names(self, layout: Layout) -> str:
-        return ", ".join(e.name for e in commit.list_checkpoints(self.storage, self.root, layout) if e.committed)
-
     def _check_config(self, meta: CheckpointMetadata, path: str) -> None:
         differences = {
             key: (meta.config.get(key), self.config.get(key))
@@ -614,21 +571,6 @@ def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: 
     loaded.missing = [k for k in loaded.missing if not k.startswith(OPTIM_PREFIX)]
     if isinstance(state.optimizer, torch.optim.Optimizer) and not hasattr(state.optimizer, "sharded_state_dict"):
         state.optimizer.state.clear()
-
-
-def _verify_share(storage: Any, path: str, meta: CheckpointMetadata, names: list[str], checksums: bool) -> None:
-    """Check this rank's share of ``names`` (round-robin): presence and size always, checksums if asked."""
-    missing_record = [n for n in names if n not in meta.files]
-    if missing_record:
-        raise CorruptCheckpointError(f"{path}: {missing_record[0]} is not listed in shardpoint.json")
-    share = names[_comm.rank() :: _comm.world_size()] if len(names) >= _comm.world_size() else names
-    problems = verify_files(storage, path, meta, share, checksums=checksums)
-    if problems:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} is damaged: "
-            + "; ".join(map(str, problems))
-            + ". Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify` for a report"
-        )
 
 
 def _deduplicated_bytes(flat: FlatState, group: Any = None) -> int:
