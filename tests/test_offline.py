@@ -166,3 +166,26 @@ def test_release_holds_weights_only(tmp_path):
     assert full.metadata.release and full.metadata.config == {"width": 4}
     assert all(key.startswith("model.") for key in full.tensors)
     assert "optimizer_param_groups" not in full.common and full.common["extra"] == {"consumed_samples": 64}
+
+
+def test_sources_are_never_destinations_local_or_s3(tmp_path):
+    checkpoint = tmp_path / "run" / "iter_0000003"
+    checkpoint.mkdir(parents=True)
+    (tmp_path / "alias").symlink_to(tmp_path / "run")
+    for dst in (tmp_path / "run", tmp_path / "alias", checkpoint / "inner", f"{tmp_path}/run/"):
+        with pytest.raises(CheckpointError, match="is the source's directory"):
+            offline.refuse_writing_into_source(str(checkpoint), dst)
+    offline.refuse_writing_into_source(str(checkpoint), tmp_path / "elsewhere")
+    remote = "s3://bucket/runs/gpt/iter_0000003"
+    for dst in ("s3://bucket/runs/gpt", "s3://bucket/runs/gpt/", f"{remote}/x"):
+        with pytest.raises(CheckpointError, match="is the source's directory"):
+            offline.refuse_writing_into_source(remote, dst)
+    offline.refuse_writing_into_source(remote, "s3://bucket/runs/gpt-copy")
+    offline.refuse_writing_into_source(remote, tmp_path / "runs" / "gpt")  # a local copy of a remote run
+
+
+def test_local_path_is_deprecated_and_accepts_urls(tmp_path):
+    with pytest.warns(DeprecationWarning, match="open_storage"):
+        assert offline.local_path("s3://bucket/run/") == "s3://bucket/run"
+    with pytest.warns(DeprecationWarning):
+        assert offline.local_path(tmp_path / "x" / "..") == str(tmp_path)

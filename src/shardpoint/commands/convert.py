@@ -7,7 +7,11 @@ The source is only ever read. ``torch``-format checkpoints can only be loaded at
 tp/pp they were saved at, so this is how one moves to another layout; ``dist`` ones
 reshard on load and need conversion only to change format or directory names.
 
-``--from-hf`` imports a Hugging Face model directory instead (``shardpoint.demo.hf``).
+SRC and DST may each be a local path or ``s3://bucket/prefix``. A destination on
+object storage is written in place and committed by its marker, then the tracker
+(:mod:`shardpoint.commit`); unlike a local one it has no writer lock.
+
+``--from-hf`` imports a Hugging Face model directory (local) instead (``shardpoint.demo.hf``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 from shardpoint import offline
 from shardpoint.commands._hf import hf_function
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded
+from shardpoint.storage import open_storage
 
 __all__ = ["add_parser", "parse_split_dim", "run"]
 
@@ -28,6 +33,7 @@ EXAMPLES = """examples:
   shardpoint convert runs/gpt runs/gpt-neox --layout neox --iteration 200
   shardpoint convert runs/tp1 runs/tp2 --tp 2 --split-dim '*fc1.*=0' --split-dim '*fc2.weight=1'
   shardpoint convert --from-hf ./hf-model runs/imported --tp 2 --pp 1
+  shardpoint convert s3://bucket/runs/gpt runs/gpt-copy            # download a verified copy
 """
 
 
@@ -41,8 +47,12 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("src", metavar="SRC", help="a save directory or one checkpoint (--from-hf: a HF model)")
-    parser.add_argument("dst", metavar="DST", help="the save directory to write the converted checkpoint into")
+    parser.add_argument(
+        "src", metavar="SRC", help="a save directory or one checkpoint, local or s3:// (--from-hf: a local HF model)"
+    )
+    parser.add_argument(
+        "dst", metavar="DST", help="the save directory to write the converted checkpoint into (local or s3://)"
+    )
     parser.add_argument("--format", choices=("dist", "torch"), help="output format (default: the source's)")
     parser.add_argument("--tp", type=_positive, metavar="N", help="tensor-parallel size (default: the source's)")
     parser.add_argument("--pp", type=_positive, metavar="M", help="pipeline-parallel size (default: the source's)")
@@ -101,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     topo = meta.topology
     out.emit_json(
         {
-            "source": os.path.abspath(args.src),
+            "source": open_storage(args.src).root,
             "destination": path,
             "format": meta.format,
             "layout": meta.layout,
@@ -123,6 +133,8 @@ def _from_hf(out: Output, args: argparse.Namespace) -> int:
     for name in ("iteration", "layout"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name} does not apply to --from-hf")
+    if "://" in args.src:
+        raise ValueError(f"--from-hf reads a local Hugging Face model directory; got {args.src}")
     import_hf = hf_function("import_hf")
     path = import_hf(args.src, args.dst, args.tp or 1, args.pp or 1, args.format or "dist")
     out.emit_json({"source": os.path.abspath(args.src), "destination": str(path) if path else args.dst})

@@ -6,6 +6,9 @@
   tracker saying ``release``), which ``Checkpointer.load`` loads in finetune mode.
 * ``--to hf``: a Hugging Face model directory, via ``shardpoint.demo.hf.export_hf``.
 
+SRC may be local or ``s3://bucket/prefix``. A release checkpoint may be written to
+either too; safetensors files and Hugging Face directories are written locally only.
+
 safetensors stores metadata as strings only and reserves the name ``__metadata__``
 (safetensors issue 849: such a file could be written but not read back), so names
 and metadata are validated before anything is written; the file is written under a
@@ -27,6 +30,7 @@ from shardpoint.commands._hf import hf_function
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes
 from shardpoint.errors import CheckpointError
 from shardpoint.state import MODEL_PREFIX
+from shardpoint.storage import open_storage
 
 __all__ = ["DTYPES", "add_parser", "model_tensors", "run", "write_safetensors"]
 
@@ -37,6 +41,7 @@ EXAMPLES = """examples:
   shardpoint export runs/gpt --to safetensors model.safetensors --dtype bf16
   shardpoint export runs/gpt --to release runs/gpt-release --iteration 200
   shardpoint export runs/gpt --to hf ./hf-model
+  shardpoint export s3://bucket/runs/gpt --to safetensors ./model.safetensors
 """
 
 
@@ -48,12 +53,13 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("src", metavar="SRC", help="a save directory or one checkpoint")
+    parser.add_argument("src", metavar="SRC", help="a save directory or one checkpoint (local or s3://)")
     parser.add_argument("--to", required=True, choices=("safetensors", "release", "hf"), help="what to write")
     parser.add_argument(
         "out",
         metavar="OUT",
-        help="safetensors: a file (or a directory for model.safetensors); release, hf: a directory",
+        help="safetensors: a local file (or a directory for model.safetensors); hf: a local directory; "
+        "release: a save directory (local or s3://)",
     )
     parser.add_argument("--iteration", type=int, metavar="N", help="which checkpoint of SRC (default: the tracker's)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as saved)")
@@ -64,10 +70,16 @@ def add_parser(subparsers: Any) -> None:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
+    if args.to != "release" and "://" in args.out:
+        raise ValueError(
+            f"--to {args.to} writes a local {'file' if args.to == 'safetensors' else 'directory'}; "
+            f"OUT must be a local path, got {args.out}"
+        )
     if args.to == "hf":
         export_hf = hf_function("export_hf")
         written = export_hf(args.src, args.out, args.iteration, args.dtype)
-        out.emit_json({"to": "hf", "source": os.path.abspath(args.src), "destination": str(written or args.out)})
+        source = open_storage(args.src).root
+        out.emit_json({"to": "hf", "source": source, "destination": str(written or args.out)})
         out.print(f"exported {args.src} to {written or args.out} (Hugging Face)")
         return EXIT_OK
     with out.progress() as progress:

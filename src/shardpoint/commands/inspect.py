@@ -7,14 +7,15 @@ training state saved beside the tensors; ``--tensors`` adds one row per tensor w
 its global shape, dtype, size and how it was split when saved.
 
 It reads ``shardpoint.json``, ``common.pt`` / ``model_optim_rng.pt`` (weights-only)
-and DCP's ``.metadata`` (restricted unpickler): never tensor data, never code.
+and DCP's ``.metadata`` (restricted unpickler): never code. Locally tensor data is
+memory-mapped, not read; from ``s3://`` paths ``model_optim_rng.pt`` files are
+downloaded whole, so inspecting a large torch-format checkpoint there costs its size.
 Sizes are checked; checksums are ``shardpoint verify``'s job.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import asdict
 from typing import Any
 
@@ -31,12 +32,12 @@ from shardpoint.commands._output import (
     new_table,
 )
 from shardpoint.errors import CheckpointError
+from shardpoint.formats.base import read_torch_file
 from shardpoint.formats.dist import COMMON_FILE
 from shardpoint.formats.torch_format import MAIN_FILE
 from shardpoint.integrity import verify_files
 from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.safe_io import safe_torch_load
-from shardpoint.storage import LocalStorage
+from shardpoint.storage import Storage, open_storage
 
 __all__ = ["add_parser", "describe_directory", "read_common", "run"]
 
@@ -44,6 +45,7 @@ EXAMPLES = """examples:
   shardpoint inspect runs/gpt                     # every checkpoint, the tracker's marked
   shardpoint inspect runs/gpt --iteration 200     # one checkpoint: metadata, config, training state
   shardpoint inspect runs/gpt/iter_0000200 --tensors --json
+  shardpoint inspect s3://bucket/runs/gpt         # endpoint and credentials from AWS_* variables
 """
 
 
@@ -55,7 +57,9 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("directory", metavar="DIR", help="a save directory, or one checkpoint's directory")
+    parser.add_argument(
+        "directory", metavar="DIR", help="a save directory, or one checkpoint's directory (local or s3://)"
+    )
     parser.add_argument("--iteration", type=int, metavar="N", help="describe the checkpoint of iteration N")
     parser.add_argument("--tensors", action="store_true", help="also list every tensor: shape, dtype, bytes, sharding")
     add_output_flags(parser)
@@ -65,41 +69,46 @@ def add_parser(subparsers: Any) -> None:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
-    path = offline.local_path(args.directory)
-    if args.iteration is not None or args.tensors or offline.is_checkpoint_dir(path):
-        return _show_one(out, path, args.iteration, args.tensors)
-    return _show_directory(out, path)
+    storage = open_storage(args.directory)
+    path = storage.root
+    if args.iteration is not None or args.tensors or offline.is_checkpoint_dir(path, storage):
+        return _show_one(out, storage, path, args.iteration, args.tensors)
+    return _show_directory(out, storage, path)
 
 
 # ----------------------------------------------------------------- a save directory
 
 
-def describe_directory(root: str) -> dict[str, Any]:
+def describe_directory(root: str, storage: Storage | None = None) -> dict[str, Any]:
     """Every checkpoint under ``root``, the tracker's target and leftovers, as plain data.
+
+    Args:
+        root: a save directory, local or ``s3://bucket/prefix``.
+        storage: the storage ``root`` lives on (default: ``open_storage(root)``).
 
     Raises:
         CheckpointError: ``root`` holds no checkpoint, partial or committed, and no tracker.
     """
-    storage = LocalStorage(root)
+    storage = storage or open_storage(root)
     if not storage.is_dir(root):
-        offline.resolve(root)  # raises the one-sentence error for a missing path or a file
-    layout = offline.find_layout(root)
+        offline.resolve(root, storage=storage)  # raises the one-sentence error for a missing path or a file
+    layout = offline.find_layout(root, storage)
     tracker = _tracker_state(storage, root, layout)
     entries = commit.list_checkpoints(storage, root, layout)
     leftovers = [n for n in storage.listdir(root) if n.startswith(commit.TMP_PREFIX)]
     if not entries and not tracker["exists"]:
-        offline.resolve(root)  # raises "not a checkpoint" (or "no committed checkpoint")
+        offline.resolve(root, storage=storage)  # raises "not a checkpoint" (or "no committed checkpoint")
     rows = [_entry_row(e, tracker.get("names")) for e in entries]
     names = {e.name for e in entries if e.committed}
     if tracker["exists"] and tracker["problem"] is None and tracker["names"] not in names:
-        target = os.path.join(root, tracker["names"])
+        target = storage.join(root, tracker["names"])
         tracker["problem"] = f"names {tracker['names']}, which " + (
-            "is not committed (no shardpoint.json)" if os.path.isdir(target) else "does not exist"
+            "is not committed (no shardpoint.json)" if storage.is_dir(target) else "does not exist"
         )
     return {"directory": root, "layout": layout.name, "tracker": tracker, "checkpoints": rows, "leftovers": leftovers}
 
 
-def _tracker_state(storage: LocalStorage, root: str, layout: Any) -> dict[str, Any]:
+def _tracker_state(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
     state: dict[str, Any] = {"file": layout.tracker_name, "exists": False, "names": None, "problem": None}
     try:
         found, iteration = commit.read_tracker(storage, root, layout)
@@ -136,8 +145,8 @@ def _entry_row(entry: commit.CheckpointEntry, tracked: str | None) -> dict[str, 
     return row
 
 
-def _show_directory(out: Output, root: str) -> int:
-    report = describe_directory(root)
+def _show_directory(out: Output, storage: Storage, root: str) -> int:
+    report = describe_directory(root, storage)
     out.emit_json(report)
     table = new_table(
         "checkpoint",
@@ -180,28 +189,29 @@ def _show_directory(out: Output, root: str) -> int:
 # ----------------------------------------------------------------- one checkpoint
 
 
-def read_common(directory: str, meta: CheckpointMetadata) -> dict[str, Any]:
+def read_common(directory: str, meta: CheckpointMetadata, storage: Storage | None = None) -> dict[str, Any]:
     """The state shared by all ranks: ``common.pt`` (dist) or the first ``model_optim_rng.pt`` (torch)."""
+    storage = storage or open_storage(directory)
     if meta.format == "dist":
-        return dict(safe_torch_load(os.path.join(directory, COMMON_FILE)))
+        return dict(read_torch_file(storage, storage.join(directory, COMMON_FILE)))
     first = sorted(n for n in meta.files if n.endswith("/" + MAIN_FILE))
     if not first:
         raise CheckpointError(f"{directory} lists no {MAIN_FILE}; the checkpoint is incomplete")
-    payload = safe_torch_load(os.path.join(directory, first[0]), mmap=True)
+    payload = read_torch_file(storage, storage.join(directory, first[0]), mmap=True)
     common = dict(payload.get("common", {}))
     common["checkpoint_version"] = payload.get("checkpoint_version")
     common["num_floating_point_operations_so_far"] = payload.get("num_floating_point_operations_so_far")
     return common
 
 
-def _show_one(out: Output, path: str, iteration: int | None, tensors: bool) -> int:
-    directory, meta = offline.resolve(path, iteration)
-    problems = [str(p) for p in verify_files(LocalStorage(directory), directory, meta, checksums=False)]
+def _show_one(out: Output, storage: Storage, path: str, iteration: int | None, tensors: bool) -> int:
+    directory, meta = offline.resolve(path, iteration, storage=storage)
+    problems = [str(p) for p in verify_files(storage, directory, meta, checksums=False)]
     try:
-        common, common_error = read_common(directory, meta), None
+        common, common_error = read_common(directory, meta, storage), None
     except CheckpointError as exc:
         common, common_error = {}, str(exc)
-    infos = offline.describe_tensors(directory, meta) if tensors and not problems else []
+    infos = offline.describe_tensors(directory, meta, storage=storage) if tensors and not problems else []
     summary = {k: v for k, v in asdict(meta).items() if k != "files"}
     out.emit_json(
         {

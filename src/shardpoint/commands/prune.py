@@ -8,28 +8,34 @@ checkpoint the tracker names (a resume needs it), ``release/``, and directories
 without a marker (possibly a save in progress; ``verify --all`` reports them).
 Leftover temporary directories of interrupted saves are removed too.
 
-Pruning takes the directory's writer lock (:mod:`shardpoint.lock`), so it refuses to
-run while a job saves there: that job's save in progress would look like a leftover.
-``--dry-run`` only reads.
+Pruning a local directory takes its writer lock (:mod:`shardpoint.lock`), so it
+refuses to run while a job saves there: that job's save in progress would look like
+a leftover. Object storage (``s3://``) has no writer lock, so there pruning deletes
+only what retention rules out, says that it ran unguarded, and leaves iteration
+prefixes without a marker alone: a save in progress looks just like that, and the
+job's next start removes real leftovers. ``--dry-run`` only reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from shardpoint import commit, offline
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes, new_table
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.lock import DirectoryLock
 from shardpoint.policy import CheckpointInfo, KeepEvery, LatestN, PreservationPolicy, select_for_deletion
-from shardpoint.storage import LocalStorage
+from shardpoint.storage import Storage, open_storage
 
 __all__ = ["add_parser", "plan", "run"]
+
+log = logging.getLogger(__name__)
 
 EXAMPLES = """examples:
   shardpoint prune runs/gpt --keep-last 3 --dry-run     # show what would go
   shardpoint prune runs/gpt --keep-last 3 --keep-every 1000
+  shardpoint prune s3://bucket/runs/gpt --keep-last 2     # no writer lock on object storage
 """
 
 
@@ -42,7 +48,7 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("directory", metavar="DIR", help="the save directory")
+    parser.add_argument("directory", metavar="DIR", help="the save directory (local or s3://)")
     parser.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the newest N checkpoints")
     parser.add_argument(
         "--keep-every", type=int, metavar="K", help="also keep every checkpoint whose iteration is a multiple of K"
@@ -52,18 +58,22 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def plan(root: str, policies: list[PreservationPolicy]) -> dict[str, Any]:
+def plan(root: str, policies: list[PreservationPolicy], storage: Storage | None = None) -> dict[str, Any]:
     """What pruning ``root`` would delete and keep, and why; touches nothing.
+
+    ``leftovers`` are what saves that died left behind and pruning removes: local
+    temporary directories. On object storage it is empty and ``partial`` lists the
+    iteration prefixes without a marker, which pruning leaves alone (see the module docstring).
 
     Raises:
         CorruptCheckpointError: the tracker cannot be read, so what it protects is unknown.
     """
-    storage = LocalStorage(root)
-    layout = offline.find_layout(root) if storage.is_dir(root) else None
+    storage = storage or open_storage(root)
+    layout = offline.find_layout(root, storage) if storage.is_dir(root) else None
     listed = commit.list_checkpoints(storage, root, layout) if layout else []
     found, tracked = commit.read_tracker(storage, root, layout) if layout else (False, None)
     if not listed and not found:
-        offline.resolve(root)  # raises the one-sentence "not a checkpoint" error
+        offline.resolve(root, storage=storage)  # raises the one-sentence "not a checkpoint" error
     if found and not any(e.committed and e.iteration == tracked for e in listed):
         raise CorruptCheckpointError(
             f"the tracker {layout.tracker_name} under {root} names {layout.dir_name(tracked)}, which is not a "
@@ -85,38 +95,37 @@ def plan(root: str, policies: list[PreservationPolicy]) -> dict[str, Any]:
             }
         )
     leftovers = [n for n in storage.listdir(root) if n.startswith((commit.TMP_PREFIX, commit.TRASH_PREFIX))]
-    return {"directory": root, "checkpoints": rows, "leftovers": leftovers}
+    partial = [] if storage.supports_rename else [e.name for e in listed if not e.committed]
+    return {"directory": root, "checkpoints": rows, "leftovers": leftovers, "partial": partial}
 
 
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
-    root = offline.local_path(args.directory)
+    storage = open_storage(args.directory)
+    root = storage.root
     policies: list[PreservationPolicy] = [LatestN(args.keep_last)]
     if args.keep_every is not None:
         policies.append(KeepEvery(args.keep_every))
     if args.dry_run:
-        report = plan(root, policies)
+        report = plan(root, policies, storage)
     else:
-        lock = DirectoryLock(root)
-        lock.acquire()  # refuses while a job saves here: its save in progress looks like a leftover
-        try:
-            report = plan(root, policies)
-            _delete(root, report)
-        finally:
-            lock.release()
+        # locally, refuses while a job saves here: its save in progress looks like a leftover
+        with offline.writer_lock(storage):
+            report = plan(root, policies, storage)
+            _delete(storage, root, report)
     report["dry_run"] = args.dry_run
     out.emit_json(report)
     _print(out, report)
     return EXIT_OK
 
 
-def _delete(root: str, report: dict[str, Any]) -> None:
-    storage = LocalStorage(root)
+def _delete(storage: Storage, root: str, report: dict[str, Any]) -> None:
     for row in report["checkpoints"]:
         if row["delete"]:
             storage.remove(storage.join(root, row["name"]))
-    commit.clean_leftovers(storage, root)
+    if storage.supports_rename:
+        commit.clean_leftovers(storage, root)  # under the writer lock: no save is in progress
 
 
 def _print(out: Output, report: dict[str, Any]) -> None:
@@ -128,6 +137,8 @@ def _print(out: Output, report: dict[str, Any]) -> None:
     out.print(table)
     for name in report["leftovers"]:
         out.print(f"{verb} leftover of an interrupted save: {name}")
+    for name in report["partial"]:
+        out.print(f"kept {name}: no marker, maybe a save in progress (without a lock pruning cannot tell)")
     deleted = [r for r in report["checkpoints"] if r["delete"]]
     freed = sum(r["bytes"] for r in deleted)
     out.print(

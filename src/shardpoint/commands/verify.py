@@ -8,13 +8,16 @@ marker (a save that never committed), and a tracker naming a checkpoint that doe
 not exist or is not committed (a resume would fail). Leftover temporary directories
 of interrupted saves are listed but are not problems: the next start removes them.
 
+Works on local paths and ``s3://bucket/prefix`` alike; on object storage every
+object is downloaded once to checksum it (streamed, not held in memory).
+
 Exit status: 0 when everything checked is intact, 1 when anything is wrong.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import posixpath
 from typing import Any
 
 from shardpoint import commit, offline
@@ -23,7 +26,7 @@ from shardpoint.commands.inspect import describe_directory
 from shardpoint.errors import CheckpointError
 from shardpoint.integrity import verify_files
 from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.storage import LocalStorage
+from shardpoint.storage import Storage, open_storage
 
 __all__ = ["add_parser", "check_checkpoint", "run", "unrecorded_files"]
 
@@ -31,6 +34,7 @@ EXAMPLES = """examples:
   shardpoint verify runs/gpt                  # the checkpoint the tracker names
   shardpoint verify runs/gpt --all            # every checkpoint in the directory
   shardpoint verify runs/gpt/iter_0000200 --json
+  shardpoint verify s3://bucket/runs/gpt --all
 """
 
 
@@ -43,7 +47,9 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("directory", metavar="DIR", help="a save directory, or one checkpoint's directory")
+    parser.add_argument(
+        "directory", metavar="DIR", help="a save directory, or one checkpoint's directory (local or s3://)"
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--iteration", type=int, metavar="N", help="verify the checkpoint of iteration N")
     which.add_argument("--all", action="store_true", help="verify every checkpoint in DIR (committed or not)")
@@ -54,16 +60,17 @@ def add_parser(subparsers: Any) -> None:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
-    path = offline.local_path(args.directory)
-    if offline.is_checkpoint_dir(path):
+    storage = open_storage(args.directory)
+    path = storage.root
+    if offline.is_checkpoint_dir(path, storage):
         if args.all:
             raise ValueError(f"--all applies to a save directory; {path} is one checkpoint")
-        targets, listing = [(os.path.basename(path), path)], None
+        targets, listing = [(posixpath.basename(path), path)], None
     else:
-        listing = describe_directory(path)
+        listing = describe_directory(path, storage)
         targets = _targets(listing, path, args)
     with out.progress() as progress:
-        reports = [check_checkpoint(name, directory, progress) for name, directory in targets]
+        reports = [check_checkpoint(name, directory, progress, storage) for name, directory in targets]
     tracker = listing["tracker"] if listing else None
     leftovers = listing["leftovers"] if listing else []
     ok = all(r["ok"] for r in reports) and not (tracker and tracker["problem"])
@@ -88,8 +95,11 @@ def _targets(listing: dict[str, Any], root: str, args: argparse.Namespace) -> li
     return [(r["name"], r["path"]) for r in chosen]
 
 
-def check_checkpoint(name: str, directory: str, progress: Any = None) -> dict[str, Any]:
-    """One checkpoint's report: committed or not, bad files, files the marker does not list."""
+def check_checkpoint(name: str, directory: str, progress: Any = None, storage: Storage | None = None) -> dict[str, Any]:
+    """One checkpoint's report: committed or not, bad files, files the marker does not list.
+
+    ``storage`` is the one ``directory`` lives on (default: ``open_storage(directory)``).
+    """
     report: dict[str, Any] = {
         "name": name,
         "path": directory,
@@ -100,7 +110,7 @@ def check_checkpoint(name: str, directory: str, progress: Any = None) -> dict[st
         "problems": [],
         "unrecorded": [],
     }
-    storage = LocalStorage(directory)
+    storage = storage or open_storage(directory)
     try:
         meta = commit.read_marker(storage, directory)
     except CheckpointError as exc:
@@ -113,22 +123,36 @@ def check_checkpoint(name: str, directory: str, progress: Any = None) -> dict[st
         ]
         if progress:
             progress(f"verifying {name}", done, len(names))
-    report["unrecorded"] = unrecorded_files(directory, meta)
+    report["unrecorded"] = unrecorded_files(directory, meta, storage)
     report.update(
         committed=True, files=len(names), bytes=meta.total_bytes, ok=not report["problems"] and not report["unrecorded"]
     )
     return report
 
 
-def unrecorded_files(directory: str, meta: CheckpointMetadata) -> list[str]:
+def unrecorded_files(directory: str, meta: CheckpointMetadata, storage: Storage | None = None) -> list[str]:
     """Files under ``directory`` that ``shardpoint.json`` does not list (relative paths)."""
+    storage = storage or open_storage(directory)
+    return sorted(_unknown_files(storage, directory, {*meta.files, MARKER_NAME}))
+
+
+def _unknown_files(storage: Storage, directory: str, known: set[str], prefix: str = "") -> list[str]:
+    """Files under ``directory`` not in ``known`` (``/``-separated paths relative to it).
+
+    Only names that are not known files are asked whether they are folders: on object
+    storage each question is a request.
+    """
     found = []
-    for parent, _, files in os.walk(directory):
-        for file in files:
-            rel = os.path.relpath(os.path.join(parent, file), directory).replace(os.sep, "/")
-            if rel != MARKER_NAME and rel not in meta.files:
-                found.append(rel)
-    return sorted(found)
+    for name in storage.listdir(directory):
+        rel = prefix + name
+        if rel in known:
+            continue
+        path = storage.join(directory, name)
+        if storage.is_dir(path):
+            found += _unknown_files(storage, path, known, rel + "/")
+        else:
+            found.append(rel)
+    return found
 
 
 def _print(out: Output, reports: list[dict[str, Any]], tracker: dict[str, Any] | None, leftovers: list[str]) -> None:

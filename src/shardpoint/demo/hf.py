@@ -42,7 +42,7 @@ from shardpoint.demo.model import WORD_EMBEDDINGS, GPTConfig, GPTModel
 from shardpoint.demo.parallel import build_parallel_state
 from shardpoint.demo.procs import run_function
 from shardpoint.demo.rng_tracker import RNGTracker
-from shardpoint.formats.dist import SafeFileSystemReader
+from shardpoint.formats.dist import dcp_reader
 from shardpoint.integrity import verify_files
 from shardpoint.layout import get_layout
 from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
@@ -213,10 +213,11 @@ def read_full_model(path: str, meta: CheckpointMetadata) -> dict[str, torch.Tens
             f"{path} is a {meta.format!r} checkpoint; export reads the reshardable 'dist' "
             "format: convert it first (`shardpoint convert --format dist`)"
         )
-    problems = verify_files(open_storage(path), path, meta)
+    storage = open_storage(path)
+    problems = verify_files(storage, path, meta)
     if problems:
         raise sp.CorruptCheckpointError(f"cannot export {path}: " + "; ".join(map(str, problems)))
-    reader = SafeFileSystemReader(path)
+    reader = dcp_reader(storage, path)
     metadata = reader.read_metadata()
     state = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype)

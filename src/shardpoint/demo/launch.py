@@ -11,6 +11,12 @@ then a table of the phases and ``loss.png`` with the curves. The demo checks its
 the preempted run must leave a committed checkpoint at the step it stopped with
 every rank exiting 0, and the same-layout resume must reproduce the reference losses
 bit for bit; otherwise it exits with code 1.
+
+Checkpoints go to ``--dir``: a local directory, or ``s3://bucket/prefix`` (endpoint
+and credentials from the standard AWS variables, which the ranks inherit). Rank
+logs and ``loss.png`` go to ``--out``, always local: by default ``--dir`` itself when
+it is local, else a new temporary directory. The demo only ever clears a directory
+or prefix that holds its marker object (``.shardpoint-demo``), or an empty one.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -35,7 +41,7 @@ from shardpoint.demo.procs import RunOutcome, run_ranks
 from shardpoint.demo.report import PhaseReport, compare_losses, plot_losses, render_table, summary_json
 from shardpoint.demo.trainer import StepInfo, TrainConfig
 from shardpoint.layout import get_layout
-from shardpoint.storage import open_storage
+from shardpoint.storage import Storage, open_storage
 
 __all__ = ["DemoSettings", "add_parser", "run", "run_demo"]
 
@@ -45,9 +51,15 @@ _REFERENCE_RECORD = "demo_reference.json"
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """What ``shardpoint demo`` runs (its flags)."""
+    """What ``shardpoint demo`` runs (its flags).
+
+    ``directory`` holds the checkpoints (local or ``s3://bucket/prefix``); ``output``
+    the local files, rank logs and ``loss.png`` (None: ``directory`` when local, else
+    a new temporary directory).
+    """
 
     directory: str = "runs/demo"
+    output: str | None = None
     layout: tuple[int, int, int] = (2, 2, 1)
     reshard_layout: tuple[int, int, int] = (1, 2, 2)
     iters: int = 150
@@ -93,7 +105,16 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--iters", type=int, default=DemoSettings.iters, help="training iterations")
     parser.add_argument("--save-interval", type=int, default=DemoSettings.save_interval)
-    parser.add_argument("--dir", default=DemoSettings.directory, help="where runs, logs and loss.png go")
+    parser.add_argument(
+        "--dir",
+        default=DemoSettings.directory,
+        help="where the checkpoints go: a local directory or s3://bucket/prefix (default runs/demo)",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="local directory for rank logs and loss.png (default: --dir when local, else a temporary directory)",
+    )
     parser.add_argument("--no-reuse", action="store_true", help="rerun the reference even if one matches")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
@@ -106,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         raise sp.CheckpointError(f"--iters must be at least 6 to preempt, resume and reshard; got {args.iters}")
     settings = DemoSettings(
         directory=args.dir,
+        output=args.out,
         layout=(args.tp, args.pp, args.dp),
         reshard_layout=tuple(args.reshard),
         iters=args.iters,
@@ -113,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         reuse_reference=not args.no_reuse,
     )
     _check_layouts(settings)
+    settings = replace(settings, output=_output_dir(settings))
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is noise here
     stream = sys.stderr if args.json else sys.stdout
     # Not a terminal (a log, a pipe): no width to fit, so keep the table on one line per row.
@@ -120,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     phases, problems = run_demo(settings, console, show_progress=not args.quiet and not args.json)
     wall = time.perf_counter() - started
-    plot = os.path.join(settings.directory, "loss.png")
+    plot = os.path.join(settings.output, "loss.png")
     if args.json:
         print(
             summary_json(
@@ -131,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
         render_table(phases, console)
         for problem in problems:
             console.print(f"[red]✗ {problem}[/red]")
-        console.print(f"checkpoints under {settings.directory}, loss curves in {plot}; finished in {wall:.1f} s")
+        console.print(
+            f"checkpoints under {settings.directory}, logs under {settings.output}, loss curves in {plot}; "
+            f"finished in {wall:.1f} s"
+        )
     return 1 if problems else 0
 
 
@@ -151,7 +177,11 @@ def run_demo(
     settings: DemoSettings, console: Console, show_progress: bool = True
 ) -> tuple[list[PhaseReport], list[str]]:
     """Run the four phases; returns their reports and the checks that failed."""
-    root = _prepare_directory(settings.directory)
+    storage = open_storage(settings.directory)
+    root = storage.root
+    out = _output_dir(settings)
+    places = [(storage, root, "--dir")] + ([(open_storage(out), out, "--out")] if out != root else [])
+    _prepare_directories(places)
     n = settings.iters
     stop_after, problems = max(1, n // 3), []
     progress = Progress(
@@ -164,18 +194,18 @@ def run_demo(
         disable=not (show_progress and console.is_terminal),
     )
     with progress:
-        reference = _reference_phase(settings, root, progress)
-        run_dir = os.path.join(root, "run")
+        reference = _reference_phase(settings, storage, root, out, progress)
+        run_dir = storage.join(root, "run")
         train, preempted = _phase(
-            "train (SIGTERM)", settings.train_config(run_dir, settings.layout), root, progress, sigterm_after=stop_after
+            "train (SIGTERM)", settings.train_config(run_dir, settings.layout), out, progress, sigterm_after=stop_after
         )
-        problems += _check_preemption(preempted, run_dir)
+        problems += _check_preemption(preempted, storage, run_dir)
         stopped = preempted.result.iteration
         exit_at = min(n - 1, max(stopped + 1, 2 * n // 3))
         resume, _ = _phase(
-            "resume", settings.train_config(run_dir, settings.layout, exit_interval=exit_at), root, progress
+            "resume", settings.train_config(run_dir, settings.layout, exit_interval=exit_at), out, progress
         )
-        reshard, _ = _phase("reshard", settings.train_config(run_dir, settings.reshard_layout), root, progress)
+        reshard, _ = _phase("reshard", settings.train_config(run_dir, settings.reshard_layout), out, progress)
     train.note = (
         f"SIGTERM sent after it {preempted.sigterm_sent_after}; saved it {stopped}, exit codes {preempted.exit_codes}"
     )
@@ -191,33 +221,51 @@ def run_demo(
     if max(reshard.losses, default=0) != n:
         problems.append(f"the resharded run stopped at {max(reshard.losses, default=0)}, not {n}")
     phases = [reference, train, resume, reshard]
-    plot_losses([train, resume, reshard], reference.losses, os.path.join(root, "loss.png"))
+    plot_losses([train, resume, reshard], reference.losses, os.path.join(out, "loss.png"))
     return phases, problems
 
 
-def _prepare_directory(directory: str) -> str:
-    """Create the demo directory, or clear the previous demo's run in it (never a foreign directory)."""
-    root = os.path.abspath(directory)
-    if os.path.isdir(root) and os.listdir(root) and not os.path.exists(os.path.join(root, _MARKER)):
-        raise sp.CheckpointError(f"{root} exists and was not created by `shardpoint demo`; pass another --dir")
-    for name in ("run", "logs"):
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, _MARKER), "w") as f:
-        f.write("created by `shardpoint demo`; its subdirectories are replaced by the next demo run\n")
-    return root
+def _output_dir(settings: DemoSettings) -> str:
+    """The local directory for logs and ``loss.png`` (see :class:`DemoSettings`)."""
+    if settings.output is not None:
+        return os.path.abspath(settings.output)
+    storage = open_storage(settings.directory)
+    return storage.root if storage.is_local else tempfile.mkdtemp(prefix="shardpoint-demo-")
+
+
+def _prepare_directories(places: list[tuple[Storage, str, str]]) -> None:
+    """Create the demo's directories (or prefixes), or clear the previous demo's run in them.
+
+    ``places`` are ``(storage, root, flag)``. One that holds anything but not the
+    demo's marker is refused, never cleared: it may hold someone's checkpoints. All
+    are checked before any is touched, so one may lie inside another.
+    """
+    for storage, root, flag in places:
+        if storage.exists(root) and not storage.is_dir(root):
+            raise sp.CheckpointError(f"{root} is a file; pass another {flag}")
+        names = storage.listdir(root)
+        if names and _MARKER not in names:
+            raise sp.CheckpointError(f"{root} exists and was not created by `shardpoint demo`; pass another {flag}")
+    for storage, root, _ in places:
+        for name in ("run", "logs"):
+            storage.remove(storage.join(root, name))
+        storage.makedirs(root)
+        storage.write_atomic(
+            storage.join(root, _MARKER),
+            b"created by `shardpoint demo`; its subdirectories are replaced by the next demo run\n",
+        )
 
 
 def _phase(
-    name: str, config: TrainConfig, root: str, progress: Progress, sigterm_after: int | None = None
+    name: str, config: TrainConfig, out: str, progress: Progress, sigterm_after: int | None = None
 ) -> tuple[PhaseReport, RunOutcome]:
-    """Run one phase with a progress bar; returns its report and how its ranks ended."""
+    """Run one phase with a progress bar, rank logs under ``out``; returns its report and how its ranks ended."""
     task = progress.add_task(name, total=config.train_iters, loss="-")
 
     def on_step(info: StepInfo) -> None:
         progress.update(task, completed=info.iteration, loss=f"{info.loss:.3f}")
 
-    log_dir = os.path.join(root, "logs", name.split()[0])
+    log_dir = os.path.join(out, "logs", name.split()[0])
     os.makedirs(log_dir, exist_ok=True)
     outcome = run_ranks(config, on_step=on_step, sigterm_after=sigterm_after, log_dir=log_dir)
     result = outcome.result
@@ -233,36 +281,38 @@ def _phase(
     return report, outcome
 
 
-def _reference_phase(settings: DemoSettings, root: str, progress: Progress) -> PhaseReport:
-    """The uninterrupted run, or the recorded one when its settings match (``--no-reuse`` reruns it)."""
-    ref_dir = os.path.join(root, "reference")
-    record_path = os.path.join(ref_dir, _REFERENCE_RECORD)
+def _reference_phase(settings: DemoSettings, storage: Storage, root: str, out: str, progress: Progress) -> PhaseReport:
+    """The uninterrupted run, or the recorded one when its settings match (``--no-reuse`` reruns it).
+
+    The record lives beside the reference checkpoints (on object storage too).
+    """
+    ref_dir = storage.join(root, "reference")
+    record_path = storage.join(ref_dir, _REFERENCE_RECORD)
     config = settings.train_config(ref_dir, settings.layout)
     key = json.loads(json.dumps(asdict(replace(config, save=""))))
-    if settings.reuse_reference and os.path.exists(record_path):
-        with open(record_path) as f:
-            record = json.load(f)
+    if settings.reuse_reference and storage.exists(record_path):
+        record = json.loads(storage.read_bytes(record_path))
         if record.get("config") == key:
             losses = {int(k): float(v) for k, v in record["losses"].items()}
             return PhaseReport(
                 "reference (reused)", settings.layout, losses, 0.0, 0, 0.0, note=f"recorded in {record_path}"
             )
-    shutil.rmtree(ref_dir, ignore_errors=True)
-    report, _ = _phase("reference", config, root, progress)
+    storage.remove(ref_dir)
+    report, _ = _phase("reference", config, out, progress)
     report.note = "uninterrupted"
-    with open(record_path, "w") as f:
-        json.dump({"config": key, "losses": {str(k): v for k, v in report.losses.items()}}, f)
+    record = {"config": key, "losses": {str(k): v for k, v in report.losses.items()}}
+    storage.write_atomic(record_path, json.dumps(record).encode())
     return report
 
 
-def _check_preemption(outcome: RunOutcome, run_dir: str) -> list[str]:
+def _check_preemption(outcome: RunOutcome, storage: Storage, run_dir: str) -> list[str]:
     """The preempted run must have exited 0 everywhere with its stop step committed and tracked."""
     problems = []
     if any(code != 0 for code in outcome.exit_codes):
         problems.append(f"after SIGTERM the ranks exited with codes {outcome.exit_codes}, not all 0")
     if outcome.result.exit_reason != "signal":
         problems.append(f"the preempted run ended by {outcome.result.exit_reason!r}, not by the signal")
-    _, tracked = commit.read_tracker(open_storage(run_dir), run_dir, get_layout("megatron"))
+    _, tracked = commit.read_tracker(storage, run_dir, get_layout("megatron"))
     if tracked != outcome.result.iteration:
         problems.append(f"the tracker names iteration {tracked}, but the run stopped at {outcome.result.iteration}")
     return problems

@@ -9,6 +9,11 @@ iteration. The ranks then save at the next step boundary and exit with code 0
 
 If a rank fails, the others are killed at once rather than left waiting in a
 collective, and the failure is raised with the rank's log file named.
+
+A forked rank would see the environment of the forkserver, which is the parent's
+as it was when the first run started; each rank therefore takes the parent's
+environment as it is when the rank starts (``AWS_*`` settings of an ``s3://`` save
+directory set after the first run, for instance).
 """
 
 from __future__ import annotations
@@ -73,7 +78,9 @@ def _setup_logging(rank: int, log_dir: str | None) -> None:
     root.addHandler(handler)
 
 
-def _rank_main(rank: int, world: int, port: int, config: TrainConfig, events: Any, log_dir: str | None) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, config: TrainConfig, events: Any, log_dir: str | None, env: dict[str, str]
+) -> None:
     """One rank: join the group, train, report.
 
     Ctrl-C is the parent's to handle (it preempts the ranks with SIGTERM). SIGTERM is
@@ -83,6 +90,7 @@ def _rank_main(rank: int, world: int, port: int, config: TrainConfig, events: An
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     _setup_logging(rank, log_dir)
@@ -103,7 +111,8 @@ def _rank_main(rank: int, world: int, port: int, config: TrainConfig, events: An
         dist.destroy_process_group()
 
 
-def _function_main(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+def _function_main(rank: int, world: int, port: int, env: dict[str, str], fn: Callable, args: tuple) -> None:
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -124,7 +133,8 @@ def run_function(fn: Callable, world: int, *args: Any, timeout: float = 600.0) -
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     port = free_port()
-    procs = [ctx.Process(target=_function_main, args=(r, world, port, fn, args)) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_function_main, args=(r, world, port, env, fn, args)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.perf_counter() + timeout
@@ -166,7 +176,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world, port, config, events if r == 0 else None, log_dir),
+            args=(r, world, port, config, events if r == 0 else None, log_dir, dict(os.environ)),
             name=f"shardpoint-demo-rank-{r}",
         )
         for r in range(world)

@@ -29,6 +29,12 @@ a layer number go where the source held them (first stage, last stage, or both, 
 tied embedding); when the source cannot say (``dist``, or pp=1) the rule is: a key
 whose name contains ``embed`` goes to the first stage, any other to the last.
 
+Sources and destinations may be local paths or ``s3://bucket/prefix`` (through
+:func:`shardpoint.storage.open_storage`; endpoint and credentials from the standard
+AWS environment). Objects are read whole into memory, where local files are
+memory-mapped; a destination on object storage is committed by its marker, then
+the tracker, and has no writer lock (:func:`writer_lock`).
+
 Limits: every tensor is held in memory at full size, so converting needs about as
 much RAM as the checkpoint's size. Per-rank RNG streams are not written (ranks do not
 correspond across layouts). Call these functions from one process, outside
@@ -59,8 +65,9 @@ from shardpoint.offline._read import (
     infer_split_dims,
     read_full,
 )
-from shardpoint.offline._write import write_checkpoint
+from shardpoint.offline._write import write_checkpoint, writer_lock
 from shardpoint.state import MODEL_PREFIX
+from shardpoint.storage import open_storage
 
 __all__ = [
     "FullCheckpoint",
@@ -82,6 +89,7 @@ __all__ = [
     "resolve",
     "stage_by_name",
     "write_checkpoint",
+    "writer_lock",
 ]
 
 log = logging.getLogger(__name__)
@@ -114,6 +122,7 @@ def convert(
 
     Example:
         >>> convert("runs/gpt", "runs/gpt-tp1", tp=1, pp=1, format="torch")
+        >>> convert("s3://bucket/runs/gpt", "runs/gpt-local")  # download a copy
     """
     full = read_full(src, iteration, progress=progress)
     meta = full.metadata
@@ -172,15 +181,19 @@ def apply_split_overrides(
 
 
 def refuse_writing_into_source(checkpoint: str, dst: str | os.PathLike[str]) -> None:
-    """Raise when ``dst`` is the save directory holding ``checkpoint``, or inside it: sources stay untouched."""
-    source_root = os.path.realpath(os.path.dirname(checkpoint))
-    target = os.path.realpath(dst)
-    if (
-        target == source_root
-        or target == os.path.realpath(checkpoint)
-        or target.startswith(os.path.realpath(checkpoint) + os.sep)
-    ):
+    """Raise when ``dst`` is the save directory holding ``checkpoint``, or inside it: sources stay untouched.
+
+    Local paths are compared after resolving links; ``s3://`` ones as written.
+    """
+    source, source_root = _canonical(checkpoint), _canonical(os.path.dirname(os.fspath(checkpoint).rstrip("/")))
+    target = _canonical(dst)
+    if target in (source, source_root) or target.startswith(source + "/"):
         raise CheckpointError(
             f"the destination {target} is the source's directory; conversion never modifies its source, "
             "so write into another directory"
         )
+
+
+def _canonical(path: str | os.PathLike[str]) -> str:
+    storage = open_storage(path)
+    return os.path.realpath(storage.root) if storage.is_local else storage.root

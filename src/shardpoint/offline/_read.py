@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.formats.dist import COMMON_FILE, SafeFileSystemReader, ShardLoadPlanner
+from shardpoint.formats.base import read_torch_file
+from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_reader
 from shardpoint.formats.torch_format import DISTRIB_OPTIM_FILE, MAIN_FILE
 from shardpoint.integrity import verify_files
 from shardpoint.metadata import CheckpointMetadata
@@ -29,10 +30,9 @@ from shardpoint.offline._common import (
     stage_from_source,
 )
 from shardpoint.offline._locate import resolve
-from shardpoint.safe_io import safe_torch_load
 from shardpoint.sharding import Shard
 from shardpoint.state import OPTIM_PREFIX
-from shardpoint.storage import LocalStorage
+from shardpoint.storage import Storage, open_storage
 
 __all__ = ["FullCheckpoint", "TensorInfo", "check_files", "describe_tensors", "infer_split_dims", "read_full"]
 
@@ -89,14 +89,18 @@ def read_full(
     *,
     verify: bool = True,
     progress: ProgressFn | None = None,
+    storage: Storage | None = None,
 ) -> FullCheckpoint:
     """Every tensor of a checkpoint at full size, with its common state and layout facts.
 
     Args:
-        path: a checkpoint directory, or a save directory (see :func:`resolve`).
+        path: a checkpoint directory, or a save directory (see :func:`resolve`); local
+            or ``s3://bucket/prefix``. Local files are memory-mapped; objects are
+            downloaded whole, one file at a time (``dist``: the byte ranges DCP asks for).
         iteration: which checkpoint of a save directory (default: the tracker's).
         verify: check every file's size and checksum before reading.
         progress: called as files are checked and tensors read.
+        storage: the storage ``path`` lives on (default: ``open_storage(path)``).
 
     Returns:
         A :class:`FullCheckpoint` (unpacks as ``tensors, common, metadata, split_dims``).
@@ -108,18 +112,25 @@ def read_full(
     Example:
         >>> tensors, common, meta, split_dims = read_full("runs/gpt", iteration=200)
     """
-    directory, meta = resolve(path, iteration)
+    storage = storage or open_storage(path)
+    directory, meta = resolve(path, iteration, storage=storage)
     if verify:
-        check_files(directory, meta, progress)
+        check_files(directory, meta, progress, storage=storage)
     reader = _read_dist if meta.format == "dist" else _read_torch
-    tensors, common, boxes, stages = reader(directory, meta, progress)
+    tensors, common, boxes, stages = reader(storage, directory, meta, progress)
     split_dims = infer_split_dims(tensors, boxes)
     return FullCheckpoint(tensors, common, meta, split_dims, stages, directory)
 
 
-def check_files(directory: str, meta: CheckpointMetadata, progress: ProgressFn | None = None) -> None:
+def check_files(
+    directory: str,
+    meta: CheckpointMetadata,
+    progress: ProgressFn | None = None,
+    *,
+    storage: Storage | None = None,
+) -> None:
     """Verify every recorded file, raising one error that names each bad one."""
-    storage = LocalStorage(directory)
+    storage = storage or open_storage(directory)
     names = sorted(meta.files)
     problems = []
     for done, name in enumerate(names, 1):
@@ -130,8 +141,8 @@ def check_files(directory: str, meta: CheckpointMetadata, progress: ProgressFn |
         raise CorruptCheckpointError(f"checkpoint {directory} is damaged: " + "; ".join(map(str, problems)))
 
 
-def _read_dist(directory: str, meta: CheckpointMetadata, progress: ProgressFn | None):
-    metadata = SafeFileSystemReader(directory).read_metadata()
+def _read_dist(storage: Storage, directory: str, meta: CheckpointMetadata, progress: ProgressFn | None):
+    metadata = dcp_reader(storage, directory).read_metadata()
     tensors: dict[str, torch.Tensor] = {}
     boxes: dict[str, set[Box]] = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -151,18 +162,18 @@ def _read_dist(directory: str, meta: CheckpointMetadata, progress: ProgressFn | 
         with single_process():
             dcp.load(
                 batch,
-                storage_reader=SafeFileSystemReader(directory),
+                storage_reader=dcp_reader(storage, directory),
                 planner=ShardLoadPlanner(shards, directory),
                 no_dist=True,
             )
         if progress:
             progress("reading", min(start + step, len(keys)), len(keys))
-    common = safe_torch_load(os.path.join(directory, COMMON_FILE))
+    common = read_torch_file(storage, storage.join(directory, COMMON_FILE))
     stages = {k: stage_by_name(k) for k in tensors if layer_of(k) is None}
     return tensors, common, boxes, stages
 
 
-def _read_torch(directory: str, meta: CheckpointMetadata, progress: ProgressFn | None):
+def _read_torch(storage: Storage, directory: str, meta: CheckpointMetadata, progress: ProgressFn | None):
     main_files = sorted(n for n in meta.files if n.endswith("/" + MAIN_FILE))
     if not main_files:
         raise CorruptCheckpointError(f"{directory} is a torch-format checkpoint listing no {MAIN_FILE} files")
@@ -171,7 +182,7 @@ def _read_torch(directory: str, meta: CheckpointMetadata, progress: ProgressFn |
     common: dict[str, Any] | None = None
     for done, name in enumerate(main_files, 1):
         folder = name.split("/")[0]
-        payload = safe_torch_load(os.path.join(directory, name), mmap=True)
+        payload = read_torch_file(storage, storage.join(directory, name), mmap=True)
         common = payload.get("common", {}) if common is None else common
         sharding = payload.get("sharding", {})
         stage = pp_rank_of(folder)
@@ -180,7 +191,7 @@ def _read_torch(directory: str, meta: CheckpointMetadata, progress: ProgressFn |
             assembler.place(key, tensor, box["global_offset"], box["global_shape"], split_box=True)
             held_by.setdefault(key, set()).add(stage)
         if f"{folder}/{DISTRIB_OPTIM_FILE}" in meta.files:
-            pieces = safe_torch_load(os.path.join(directory, folder, DISTRIB_OPTIM_FILE), mmap=True)["pieces"]
+            pieces = read_torch_file(storage, storage.join(directory, folder, DISTRIB_OPTIM_FILE), mmap=True)["pieces"]
             for key, items in pieces.items():
                 for piece in items:
                     assembler.place(key, piece["tensor"], piece["global_offset"], piece["global_shape"])
@@ -260,17 +271,22 @@ def _differing_dim(key: str, boxes: set[Box]) -> int | None:
 # ----------------------------------------------------------------- describing
 
 
-def describe_tensors(directory: str, meta: CheckpointMetadata) -> list[TensorInfo]:
-    """Global shape, dtype, bytes and saved boxes of every tensor, without reading tensor data."""
+def describe_tensors(directory: str, meta: CheckpointMetadata, *, storage: Storage | None = None) -> list[TensorInfo]:
+    """Global shape, dtype, bytes and saved boxes of every tensor.
+
+    ``dist`` checkpoints: from DCP's metadata alone. ``torch`` ones: from the saved
+    files, memory-mapped locally (no tensor data read) but downloaded from object storage.
+    """
+    storage = storage or open_storage(directory)
     if meta.format == "dist":
-        metadata = SafeFileSystemReader(directory).read_metadata()
+        metadata = dcp_reader(storage, directory).read_metadata()
         found = {
             key: (tuple(item.size), item.properties.dtype, {(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks})
             for key, item in metadata.state_dict_metadata.items()
             if isinstance(item, TensorStorageMetadata)
         }
     else:
-        found = _torch_boxes(directory, meta)
+        found = _torch_boxes(storage, directory, meta)
     infos = []
     for key, (shape, dtype, boxes) in sorted(found.items()):
         dims = tuple(d for d in range(len(shape)) if len({o[d] for o, _ in boxes}) > 1)
@@ -279,19 +295,21 @@ def describe_tensors(directory: str, meta: CheckpointMetadata) -> list[TensorInf
     return infos
 
 
-def _torch_boxes(directory: str, meta: CheckpointMetadata) -> dict[str, tuple[tuple[int, ...], torch.dtype, set[Box]]]:
+def _torch_boxes(
+    storage: Storage, directory: str, meta: CheckpointMetadata
+) -> dict[str, tuple[tuple[int, ...], torch.dtype, set[Box]]]:
     found: dict[str, tuple[tuple[int, ...], torch.dtype, set[Box]]] = {}
     for name in sorted(meta.files):
-        path = os.path.join(directory, name)
+        path = storage.join(directory, name)
         if name.endswith("/" + MAIN_FILE):
-            payload = safe_torch_load(path, mmap=True)
+            payload = read_torch_file(storage, path, mmap=True)
             for key, tensor in {**payload.get("model", {}), **payload.get("optimizer", {})}.items():
                 box = payload.get("sharding", {}).get(key)
                 shape = tuple(box["global_shape"]) if box else tuple(tensor.shape)
                 offset = tuple(box["global_offset"]) if box else (0,) * tensor.dim()
                 found.setdefault(key, (shape, tensor.dtype, set()))[2].add((offset, tuple(tensor.shape)))
         elif name.endswith("/" + DISTRIB_OPTIM_FILE):
-            for key, items in safe_torch_load(path, mmap=True)["pieces"].items():
+            for key, items in read_torch_file(storage, path, mmap=True)["pieces"].items():
                 for piece in items:
                     entry = found.setdefault(key, (tuple(piece["global_shape"]), piece["tensor"].dtype, set()))
                     entry[2].add((tuple(piece["global_offset"]), tuple(piece["tensor"].shape)))

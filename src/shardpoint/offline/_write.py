@@ -1,19 +1,26 @@
-"""Writing full tensors as a committed checkpoint in one process (see the package docstring)."""
+"""Writing full tensors as a committed checkpoint in one process (see the package docstring).
+
+The destination may be local or ``s3://bucket/prefix``; the commit protocol is the
+training job's (:mod:`shardpoint.commit`): locally a temporary directory renamed into
+place, on object storage data written in place under the final prefix and committed
+by the marker, then the tracker. Local writes take the directory's writer lock;
+object storage has none (see :func:`writer_lock`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
@@ -22,18 +29,17 @@ from shardpoint._version import __version__
 from shardpoint.errors import CheckpointError
 from shardpoint.formats import FormatContext, get_format
 from shardpoint.formats.base import write_torch_file
-from shardpoint.formats.dist import COMMON_FILE
-from shardpoint.integrity import record_file
+from shardpoint.formats.dist import COMMON_FILE, HashingFileSystemWriter, HashingFsspecWriter
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, single_process, stage_by_name
 from shardpoint.sharding import Shard, divide
 from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX, FlatState
-from shardpoint.storage import LocalStorage
+from shardpoint.storage import Storage, open_storage
 from shardpoint.topology import Topology
 
-__all__ = ["write_checkpoint"]
+__all__ = ["write_checkpoint", "writer_lock"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +65,8 @@ def write_checkpoint(
     """Write full tensors as a complete, committed checkpoint in ``dst_root``; return its directory.
 
     Args:
-        dst_root: the save directory to write into (created when missing).
+        dst_root: the save directory to write into (created when missing): a local
+            path or ``s3://bucket/prefix``.
         iteration: the checkpoint's iteration (ignored when ``release``).
         tensors: full tensors under global keys (``model.<key>``, ``optimizer.state...``).
         common: state shared by all ranks (``extra``, ``optimizer_param_groups``,
@@ -84,7 +91,7 @@ def write_checkpoint(
     _require_one_process()
     get_format(format)  # a clear error for an unknown format name
     lay = get_layout(layout)
-    storage = LocalStorage(dst_root)
+    storage = open_storage(dst_root)
     name = lay.dir_name(None if release else iteration)
     final = storage.join(storage.root, name)
     if storage.exists(final):
@@ -96,11 +103,9 @@ def write_checkpoint(
         write = functools.partial(_write_torch, storage, flats, bool(common.get("distributed_optimizer")))
     else:
         pieces = {key: _tp_pieces(key, t, split_dims.get(key), tp) for key, t in tensors.items()}
-        write = functools.partial(_write_dist, tensors, pieces, common)
+        write = functools.partial(_write_dist, storage, tensors, pieces, common)
     start = time.perf_counter()
-    lock = DirectoryLock(storage.root)
-    lock.acquire()  # one writer per directory: a job saving there, or another conversion, is refused
-    try:
+    with writer_lock(storage):
         tmp = commit.begin(storage, storage.root, name)
         try:
             records = write(tmp, progress)
@@ -111,14 +116,35 @@ def write_checkpoint(
             raise
         if update_tracker:
             commit.write_tracker(storage, storage.root, lay, None if release else iteration)
-    finally:
-        lock.release()
     log.info("wrote %s (%s format, tp=%d pp=%d, %d tensors)", final, format, tp, pp, len(tensors))
     return final
 
 
+@contextlib.contextmanager
+def writer_lock(storage: Storage) -> Iterator[None]:
+    """Hold the save directory's writer lock (:mod:`shardpoint.lock`) while the block runs.
+
+    Local directories: a job saving there, or another offline writer, makes this
+    raise :class:`~shardpoint.lock.LockedError`. Object storage has no such lock
+    (``flock`` needs a local file); the block runs unguarded and a log line says so.
+    """
+    if not storage.is_local:
+        log.warning(
+            "%s is on object storage, which has no writer lock: make sure no job saves there meanwhile",
+            storage.root,
+        )
+        yield
+        return
+    lock = DirectoryLock(storage.root)
+    lock.acquire()  # one writer per directory: a job saving there, or another offline writer, is refused
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def _write_torch(
-    storage: LocalStorage,
+    storage: Storage,
     flats: list[tuple[Topology, FlatState]],
     distributed_optimizer: bool,
     tmp: str,
@@ -135,22 +161,26 @@ def _write_torch(
 
 
 def _write_dist(
+    storage: Storage,
     tensors: Mapping[str, torch.Tensor],
     pieces: dict[str, list[Shard]],
     common: Mapping[str, Any],
     tmp: str,
     progress: ProgressFn | None,
 ) -> dict[str, FileRecord]:
-    """The files a dist save writes: DCP's (one process, tensors as their tp pieces) and ``common.pt``."""
-    writer = FileSystemWriter(tmp, sync_files=True)
+    """The files a dist save writes: DCP's (one process, tensors as their tp pieces) and ``common.pt``.
+
+    DCP's writer is the dist format's own (local: fsynced files; object storage:
+    uploads through fsspec), which checksums each file while writing it.
+    """
+    if storage.is_local:
+        writer: HashingFileSystemWriter | HashingFsspecWriter = HashingFileSystemWriter(tmp, sync_files=True)
+    else:
+        writer = HashingFsspecWriter(tmp)
     with single_process():
         dcp.save(dict(tensors), storage_writer=writer, planner=_PiecesSavePlanner(pieces), no_dist=True)
-    records = {
-        name: record_file(LocalStorage(tmp), os.path.join(tmp, name))
-        for name in sorted(os.listdir(tmp))
-        if os.path.isfile(os.path.join(tmp, name))
-    }
-    records[COMMON_FILE] = write_torch_file(dict(common), os.path.join(tmp, COMMON_FILE))
+    records = writer.records()
+    records[COMMON_FILE] = write_torch_file(dict(common), storage.join(tmp, COMMON_FILE), storage)
     if progress:
         progress("writing", 1, 1)
     return records
