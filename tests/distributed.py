@@ -68,8 +68,22 @@ def launch(
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's result.
 
     With ``expect_failure`` the exit codes are returned instead of raising (for
-    tests that kill ranks on purpose).
+    tests that kill ranks on purpose). A rendezvous port taken by someone else
+    between choosing and binding it is retried with another port.
     """
+    for attempt in range(3):
+        try:
+            return _launch_once(fn, world, args, env, timeout, expect_failure)
+        except RankFailure as failure:
+            taken = any("address already in use" in tb.lower() for tb in failure.errors.values())
+            if not taken or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(
+    fn: Callable, world: int, args: tuple, env: dict[str, str] | None, timeout: float, expect_failure: bool
+) -> list[Any]:
     out = tempfile.mkdtemp(prefix="sp-ranks-")
     port = free_port()
     procs = [_CTX.Process(target=_child, args=(r, world, port, out, env or {}, fn, args)) for r in range(world)]
