@@ -53,7 +53,14 @@ from shardpoint.sharding import Shard
 from shardpoint.state import FlatState
 from shardpoint.storage import Storage
 
-__all__ = ["DistFormat", "SafeFileSystemReader", "ShardLoadPlanner", "ShardSavePlanner", "dcp_reader"]
+__all__ = [
+    "DistFormat",
+    "SafeFileSystemReader",
+    "ShardLoadPlanner",
+    "ShardSavePlanner",
+    "dcp_reader",
+    "dcp_writer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +204,13 @@ class HashingFsspecWriter(FsspecWriter):
         return {p.removeprefix(root): r for p, r in self.fs.records.items()}
 
 
-def _writer(ctx: FormatContext) -> HashingFileSystemWriter | HashingFsspecWriter:
-    if ctx.storage.is_local:
-        return HashingFileSystemWriter(ctx.directory, sync_files=True, thread_count=ctx.thread_count)
-    return HashingFsspecWriter(ctx.directory, thread_count=ctx.thread_count)
+def dcp_writer(
+    storage: Storage, directory: str, thread_count: int = 1
+) -> HashingFileSystemWriter | HashingFsspecWriter:
+    """A DCP writer for ``directory`` on ``storage`` that checksums what it writes (see ``.records()``)."""
+    if storage.is_local:
+        return HashingFileSystemWriter(directory, sync_files=True, thread_count=thread_count)
+    return HashingFsspecWriter(directory, thread_count=thread_count)
 
 
 def dcp_reader(storage: Storage, directory: str) -> FileSystemReader:
@@ -217,7 +227,7 @@ class DistFormat:
         rank = _comm.rank()
         storage, directory = ctx.storage, ctx.directory
         storage.makedirs(storage.join(directory, "rng"))
-        writer = _writer(ctx)
+        writer = dcp_writer(storage, directory, ctx.thread_count)
         state_dict = {key: shard.tensor for key, shard in flat.tensors.items()}
         with _dcp_errors(directory):
             dcp.save(

@@ -29,7 +29,7 @@ from shardpoint._version import __version__
 from shardpoint.errors import CheckpointError
 from shardpoint.formats import FormatContext, get_format
 from shardpoint.formats.base import write_torch_file
-from shardpoint.formats.dist import COMMON_FILE, HashingFileSystemWriter, HashingFsspecWriter
+from shardpoint.formats.dist import COMMON_FILE, dcp_writer
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata, FileRecord
@@ -173,10 +173,7 @@ def _write_dist(
     DCP's writer is the dist format's own (local: fsynced files; object storage:
     uploads through fsspec), which checksums each file while writing it.
     """
-    if storage.is_local:
-        writer: HashingFileSystemWriter | HashingFsspecWriter = HashingFileSystemWriter(tmp, sync_files=True)
-    else:
-        writer = HashingFsspecWriter(tmp)
+    writer = dcp_writer(storage, tmp)
     with single_process():
         dcp.save(dict(tensors), storage_writer=writer, planner=_PiecesSavePlanner(pieces), no_dist=True)
     records = writer.records()
