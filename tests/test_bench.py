@@ -7,30 +7,19 @@ import subprocess
 import sys
 
 
-def test_bench_reports_every_measurement_and_target(tmp_path):
+def run_bench_json(directory: str, env: dict[str, str] | None = None) -> dict:
+    """``shardpoint bench`` at 2 MB on 2 ranks, one round, as a subprocess; its one report."""
+    command = [sys.executable, "-m", "shardpoint.cli", "bench", "--size", "2MB", "--ranks", "2", "--repeat", "1"]
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardpoint.cli",
-            "bench",
-            "--size",
-            "2MB",
-            "--ranks",
-            "2",
-            "--repeat",
-            "1",
-            "--dir",
-            str(tmp_path / "disk"),
-            "--json",
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [*command, "--dir", directory, "--json", "--quiet"], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     (report,) = json.loads(out.stdout)
+    return report
+
+
+def test_bench_reports_every_measurement_and_target(tmp_path):
+    report = run_bench_json(str(tmp_path / "disk"))
     names = {row["name"] for row in report["rows"]}
     for expected in (
         "memory copy",

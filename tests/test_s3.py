@@ -17,6 +17,7 @@ import shardpoint as sp
 from shardpoint.s3 import s3_filesystem
 from tests import toy
 from tests.distributed import launch
+from tests.test_bench import run_bench_json
 from tests.test_checkpointer import assert_same, make_state, train
 
 
@@ -151,31 +152,7 @@ def test_local_first_upload_interrupted_and_resumed(s3_server, bucket, tmp_path)
 
 
 def test_bench_reports_upload_and_download_against_the_server(s3_server, bucket):
-    env = {**os.environ, **s3_server.env}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardpoint.cli",
-            "bench",
-            "--size",
-            "2MB",
-            "--ranks",
-            "2",
-            "--repeat",
-            "1",
-            "--dir",
-            f"{bucket}/bench",
-            "--json",
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    (report,) = json.loads(out.stdout)
+    report = run_bench_json(f"{bucket}/bench", env={**os.environ, **s3_server.env})
     rows = {row["name"]: row for row in report["rows"]}
     for name in (
         "sequential write+fsync",
