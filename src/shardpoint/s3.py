@@ -22,31 +22,38 @@ from typing import Any, BinaryIO
 
 from shardpoint.errors import StorageError
 
-__all__ = ["S3Storage", "s3_filesystem"]
+__all__ = ["S3Storage", "s3_filesystem", "s3_options"]
 
 
-def s3_filesystem() -> Any:
-    """A fresh s3fs filesystem with retries and without listing caches (other ranks change the store).
+def s3_options() -> dict[str, Any]:
+    """s3fs constructor options: retries, timeouts, no listing caches (other ranks change the store).
 
     ``SHARDPOINT_S3_TIMEOUT`` (seconds, default 60) bounds each request and
     ``SHARDPOINT_S3_RETRIES`` (default 6) counts attempts, with exponential backoff.
+    Blocks of 16 MiB bound the memory multipart uploads and ranged reads buffer.
     """
-    try:
-        import s3fs
-    except ImportError:
-        raise StorageError("s3:// paths need the s3fs package: pip install 'shardpoint[s3]'") from None
     timeout = float(os.environ.get("SHARDPOINT_S3_TIMEOUT", "60"))
     attempts = int(os.environ.get("SHARDPOINT_S3_RETRIES", "6"))
-    fs = s3fs.S3FileSystem(
-        skip_instance_cache=True,
-        use_listings_cache=False,
-        config_kwargs={
+    return {
+        "skip_instance_cache": True,
+        "use_listings_cache": False,
+        "default_block_size": 16 << 20,
+        "config_kwargs": {
             "retries": {"max_attempts": attempts, "mode": "standard"},
             "connect_timeout": min(timeout, 10),
             "read_timeout": timeout,
         },
-    )
-    fs.retries = attempts  # s3fs retries some errors itself, on top of botocore
+    }
+
+
+def s3_filesystem() -> Any:
+    """A fresh s3fs filesystem with :func:`s3_options`."""
+    try:
+        import s3fs
+    except ImportError:
+        raise StorageError("s3:// paths need the s3fs package: pip install 'shardpoint[s3]'") from None
+    fs = s3fs.S3FileSystem(**s3_options())
+    fs.retries = s3_options()["config_kwargs"]["retries"]["max_attempts"]  # s3fs's own retry loop, on top of botocore
     return fs
 
 

@@ -197,7 +197,7 @@ class HashingFsspecWriter(FsspecWriter):
     def __init__(self, path: str, **kwargs: Any):
         super().__init__(path, sync_files=False, **kwargs)
         self.fs = HashingFsspecFileSystem()
-        self.path = self.fs.init_path(path)
+        self.path = self.fs.init_path(path, **_fsspec_options(path))
 
     def records(self) -> dict[str, FileRecord]:
         root = os.fspath(self.path).rstrip("/") + "/"
@@ -215,7 +215,20 @@ def dcp_writer(
 
 def dcp_reader(storage: Storage, directory: str) -> FileSystemReader:
     """A DCP reader for ``directory`` on ``storage`` that never unpickles more than DCP metadata."""
-    return SafeFileSystemReader(directory) if storage.is_local else SafeFsspecReader(directory)
+    return (
+        SafeFileSystemReader(directory)
+        if storage.is_local
+        else SafeFsspecReader(directory, **_fsspec_options(directory))
+    )
+
+
+def _fsspec_options(path: str) -> dict[str, Any]:
+    """The same client settings (retries, timeouts, block size) as shardpoint's own S3 requests."""
+    if path.startswith("s3://"):
+        from shardpoint.s3 import s3_options
+
+        return s3_options()
+    return {}
 
 
 class DistFormat:
