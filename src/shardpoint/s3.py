@@ -25,19 +25,23 @@ from shardpoint.errors import StorageError
 __all__ = ["S3Storage", "s3_filesystem", "s3_options"]
 
 
-def s3_options() -> dict[str, Any]:
+WRITE_BLOCK = 16 << 20  # multipart part size: what an upload holds in memory
+READ_BLOCK = 64 << 20  # ranged-read size: fewer requests, memory is only transient
+
+
+def s3_options(block_size: int = WRITE_BLOCK) -> dict[str, Any]:
     """s3fs constructor options: retries, timeouts, no listing caches (other ranks change the store).
 
     ``SHARDPOINT_S3_TIMEOUT`` (seconds, default 60) bounds each request and
     ``SHARDPOINT_S3_RETRIES`` (default 6) counts attempts, with exponential backoff.
-    Blocks of 16 MiB bound the memory multipart uploads and ranged reads buffer.
+    ``block_size`` is the multipart part size for writers and the read-ahead for readers.
     """
     timeout = float(os.environ.get("SHARDPOINT_S3_TIMEOUT", "60"))
     attempts = int(os.environ.get("SHARDPOINT_S3_RETRIES", "6"))
     return {
         "skip_instance_cache": True,
         "use_listings_cache": False,
-        "default_block_size": 16 << 20,
+        "default_block_size": block_size,
         "config_kwargs": {
             "retries": {"max_attempts": attempts, "mode": "standard"},
             "connect_timeout": min(timeout, 10),
@@ -98,7 +102,7 @@ class S3Storage:
 
     def open_read(self, path: str) -> BinaryIO:
         with _errors(path):
-            return self.fs.open(path, "rb")
+            return self.fs.open(path, "rb", block_size=READ_BLOCK)
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:

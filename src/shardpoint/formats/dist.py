@@ -197,7 +197,7 @@ class HashingFsspecWriter(FsspecWriter):
     def __init__(self, path: str, **kwargs: Any):
         super().__init__(path, sync_files=False, **kwargs)
         self.fs = HashingFsspecFileSystem()
-        self.path = self.fs.init_path(path, **_fsspec_options(path))
+        self.path = self.fs.init_path(path, **_fsspec_options(path, reading=False))
 
     def records(self) -> dict[str, FileRecord]:
         root = os.fspath(self.path).rstrip("/") + "/"
@@ -218,16 +218,16 @@ def dcp_reader(storage: Storage, directory: str) -> FileSystemReader:
     return (
         SafeFileSystemReader(directory)
         if storage.is_local
-        else SafeFsspecReader(directory, **_fsspec_options(directory))
+        else SafeFsspecReader(directory, **_fsspec_options(directory, reading=True))
     )
 
 
-def _fsspec_options(path: str) -> dict[str, Any]:
-    """The same client settings (retries, timeouts, block size) as shardpoint's own S3 requests."""
+def _fsspec_options(path: str, reading: bool) -> dict[str, Any]:
+    """The same client settings (retries, timeouts) as shardpoint's own S3 requests."""
     if path.startswith("s3://"):
-        from shardpoint.s3 import s3_options
+        from shardpoint.s3 import READ_BLOCK, WRITE_BLOCK, s3_options
 
-        return s3_options()
+        return s3_options(READ_BLOCK if reading else WRITE_BLOCK)
     return {}
 
 
