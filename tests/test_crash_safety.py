@@ -65,3 +65,29 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, fmt, point, rank):
     # the next save cleaned the partial directory and committed normally
     assert not any(n.startswith(".shardpoint-tmp") for n in resumed[0]["entries"])
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def _save_then_die_in_retention(rank: int, world: int, root: str, fmt: str):
+    topo = sp.Topology(2, 1, 2)
+    state = toy.build(topo, zero=True)
+    ckpt = sp.Checkpointer(root, topology=topo, format=fmt, keep_last=1)
+    toy.train_step(state, 1)
+    ckpt.save(1, state)
+    toy.train_step(state, 2)
+    torch.save(toy.snapshot(state), f"{root}/../committed_{rank}.pt")
+    os.environ["SHARDPOINT_FAULT"] = "point=during-retention,rank=0,action=kill"
+    ckpt.save(2, state)
+
+
+@pytest.mark.parametrize("fmt", ["dist", "torch"])
+def test_kill_during_retention_keeps_the_new_checkpoint(tmp_path, fmt):
+    root = tmp_path / "run"
+    codes = launch(_save_then_die_in_retention, 4, str(root), fmt, expect_failure=True)
+    assert codes[0] == -9, codes
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"  # committed before retention ran
+    resumed = launch(_resume, 4, str(root), fmt)
+    assert {r["iteration"] for r in resumed} == {2}
+    for r, result in enumerate(resumed):
+        committed = torch.load(tmp_path / f"committed_{r}.pt", weights_only=False)
+        for key, (_, _, tensor) in committed["tensors"].items():
+            assert torch.equal(result["snapshot"]["tensors"][key][2], tensor), key
