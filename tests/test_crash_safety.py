@@ -35,6 +35,14 @@ def _resume(rank: int, world: int, root: str, fmt: str):
     return {"iteration": result.iteration, "snapshot": loaded, "entries": sorted(os.listdir(root))}
 
 
+def assert_resumed_from_committed(tmp_path, resumed) -> None:
+    """Every rank's loaded tensors equal what it had when the last committed save was taken."""
+    for r, result in enumerate(resumed):
+        committed = torch.load(tmp_path / f"committed_{r}.pt", weights_only=False)
+        for key, (_, _, tensor) in committed["tensors"].items():
+            assert torch.equal(result["snapshot"]["tensors"][key][2], tensor), key
+
+
 POINTS = [
     ("before-data", 1),
     ("mid-data", 1),
@@ -58,10 +66,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, fmt, point, rank):
 
     resumed = launch(_resume, 4, str(root), fmt)
     assert {r["iteration"] for r in resumed} == {1}
-    for r, result in enumerate(resumed):
-        committed = torch.load(tmp_path / f"committed_{r}.pt", weights_only=False)
-        for key, (_, _, tensor) in committed["tensors"].items():
-            assert torch.equal(result["snapshot"]["tensors"][key][2], tensor), key
+    assert_resumed_from_committed(tmp_path, resumed)
     # the next save cleaned the partial directory and committed normally
     assert not any(n.startswith(".shardpoint-tmp") for n in resumed[0]["entries"])
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
@@ -87,7 +92,4 @@ def test_kill_during_retention_keeps_the_new_checkpoint(tmp_path, fmt):
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"  # committed before retention ran
     resumed = launch(_resume, 4, str(root), fmt)
     assert {r["iteration"] for r in resumed} == {2}
-    for r, result in enumerate(resumed):
-        committed = torch.load(tmp_path / f"committed_{r}.pt", weights_only=False)
-        for key, (_, _, tensor) in committed["tensors"].items():
-            assert torch.equal(result["snapshot"]["tensors"][key][2], tensor), key
+    assert_resumed_from_committed(tmp_path, resumed)
