@@ -8,6 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.shardpoint-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,demo,s3]" 2>&1 | grep -v "^WARNING: Location" || true
+  # the machine's pip config lists local wheel folders that may be absent: hide only those warnings
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,demo,s3]" 2>&1 | { grep -v "^WARNING: Location" || true; }
   .venv/bin/python -c "import torch, shardpoint" && touch "$stamp"
 fi
