@@ -57,7 +57,8 @@ def assert_same(a: sp.TrainState, b: sp.TrainState, optimizer: bool = True) -> N
         for pid in sa["state"]:
             for name in sa["state"][pid]:
                 assert torch.equal(sa["state"][pid][name], sb["state"][pid][name]), (pid, name)
-        assert a.scheduler.state_dict() == b.scheduler.state_dict()
+        if a.scheduler is not None:
+            assert a.scheduler.state_dict() == b.scheduler.state_dict()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,17 @@ from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata
 from shardpoint.policy import AnySaveDecision, BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN, PreservationPolicy
 from shardpoint.retention import apply_retention
-from shardpoint.state import OPTIM_PREFIX, FlatState, TrainState, collect, load_optimizer_shards, restore
+from shardpoint.state import (
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    FlatState,
+    TrainState,
+    collect,
+    load_optimizer_shards,
+    param_shard_index,
+    restore,
+    storage_key,
+)
 from shardpoint.storage import Storage, as_storage_error, open_storage
 from shardpoint.topology import Topology
 from shardpoint.upload import RemoteMirror
@@ -191,14 +202,17 @@ class Checkpointer:
         self.mirror = RemoteMirror(upload_to, self.layout, self.preservation) if upload_to else None
         # object stores have no flock: one writer per prefix is the user's to ensure there
         self._lock = DirectoryLock(self.root) if self.storage.is_local else None
-        if _comm.rank() == 0 and self.storage.is_dir(self.root):
+        self._cleaned = False
+        if _comm.rank() == 0 and self._lock is not None and self.storage.is_dir(self.root):
             self._clean_leftovers_if_unlocked()
 
     def _clean_leftovers_if_unlocked(self) -> None:
-        """Remove partial saves of dead jobs, unless a live job owns the directory (its saves are not ours)."""
-        if self._lock is None:
-            commit.clean_leftovers(self.storage, self.root)
-        elif self._lock.try_acquire():
+        """Remove partial saves of dead jobs, unless a live job owns the directory (its saves are not ours).
+
+        Without a lock (object storage) only a job that saves cleans, at its first save:
+        a job that only loads must not delete another job's save in progress.
+        """
+        if self._lock.try_acquire():
             try:
                 commit.clean_leftovers(self.storage, self.root)
             finally:
@@ -402,6 +416,9 @@ class Checkpointer:
         if self._lock is not None and not self._lock.held:
             self._lock.acquire()
             commit.clean_leftovers(self.storage, self.root)
+        elif self._lock is None and not self._cleaned:
+            commit.clean_leftovers(self.storage, self.root)
+        self._cleaned = True
         free = self.storage.free_bytes(self.root)
         if free is not None and needed > free:
             raise StorageError(
@@ -447,7 +464,7 @@ class Checkpointer:
             files=files,
             consumed_samples=_optional_int(extra.get("consumed_samples")),
             flops=_optional_float(extra.get("flops")),
-            metrics={k: float(v) for k, v in metrics.items()},
+            metrics=_finite_metrics(metrics),
             validation_logits=VALIDATION_FILE if VALIDATION_FILE in files else None,
             wall_time=time.time(),
             save_seconds=seconds,
@@ -521,7 +538,8 @@ class Checkpointer:
         finetune = finetune or meta.release
         fmt = get_format(meta.format)
         ctx = FormatContext(self.storage, path, self.topology, strict=strict)
-        files = fmt.files_to_read(ctx, meta)
+        # every file some rank reads, split over all ranks (each rank's own list may differ: torch format)
+        files = sorted(set().union(*_comm.all_gather(fmt.files_to_read(ctx, meta))))
         _comm.agree(lambda: verify_share(self.storage, path, meta, files, verify), "verifying checkpoint files")
         flat = collect(
             state,
@@ -560,17 +578,32 @@ class Checkpointer:
 
 
 def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: Loaded) -> None:
-    """A checkpoint saved before the first optimizer step has no optimizer state; that is not an error.
+    """Parameters that had no optimizer state at the save (never stepped, or no gradient yet) are not an error.
 
-    Loading created the state (to have targets to fill); drop it again so the optimizer
-    starts as it would have at the save.
+    Loading created their state (to have targets to fill); drop it again so they start
+    as they would have at the save.
     """
-    optimizer_keys = {k for k in flat.tensors if k.startswith(OPTIM_PREFIX)}
-    if not optimizer_keys or not optimizer_keys <= set(loaded.missing):
+    missing = set(loaded.missing)
+    by_param: dict[str, set[str]] = {}
+    for key in flat.tensors:
+        if key.startswith(OPTIM_PREFIX):
+            by_param.setdefault(key[len(OPTIM_PREFIX) :].rsplit(".", 1)[0], set()).add(key)
+    unsaved = {param for param, keys in by_param.items() if keys <= missing}
+    if not unsaved:
         return
-    loaded.missing = [k for k in loaded.missing if not k.startswith(OPTIM_PREFIX)]
-    if isinstance(state.optimizer, torch.optim.Optimizer) and not hasattr(state.optimizer, "sharded_state_dict"):
-        state.optimizer.state.clear()
+    loaded.missing = [
+        k
+        for k in loaded.missing
+        if not (k.startswith(OPTIM_PREFIX) and k[len(OPTIM_PREFIX) :].rsplit(".", 1)[0] in unsaved)
+    ]
+    optimizer = state.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "sharded_state_dict"):
+        index = param_shard_index({k: v for k, v in flat.tensors.items() if k.startswith(MODEL_PREFIX)})
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                found = index.get(storage_key(param))
+                if found is not None and found[0] in unsaved:
+                    optimizer.state.pop(param, None)
 
 
 def _deduplicated_bytes(flat: FlatState, group: Any = None) -> int:
@@ -597,6 +630,14 @@ def _json_config(config: Mapping[str, Any] | None) -> dict[str, Any]:
         return json.loads(json.dumps(dict(config or {}), allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"Checkpointer config must hold JSON values (numbers, strings, lists, dicts): {exc}") from None
+
+
+def _finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Metrics as stored in JSON; a NaN or infinite one (a diverging run) is dropped, never the save."""
+    kept = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+    if len(kept) < len(metrics):
+        log.warning("not recording non-finite metrics %s", sorted(set(metrics) - set(kept)))
+    return kept
 
 
 def _optional_int(value: Any) -> int | None:

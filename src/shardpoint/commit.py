@@ -157,6 +157,8 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
     removed = []
     for name in storage.listdir(root):
         path = storage.join(root, name)
+        if name.startswith(TRASH_PREFIX) and _restore_trash(storage, root, name):
+            continue
         if name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
             not storage.supports_rename
             and _is_checkpoint_name(name)
@@ -167,6 +169,16 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
     if removed:
         log.warning("removed %d partial checkpoint(s) left by an interrupted save: %s", len(removed), removed)
     return removed
+
+
+def _restore_trash(storage: Storage, root: str, name: str) -> bool:
+    """Put back a checkpoint a re-save moved aside, when the save died before its replacement arrived."""
+    final = name.removeprefix(TRASH_PREFIX).rsplit("-", 1)[0]
+    if not final or storage.exists(storage.join(root, final)):
+        return False
+    storage.publish_dir(storage.join(root, name), storage.join(root, final))
+    log.warning("restored %s, moved aside by a save that did not finish", final)
+    return True
 
 
 def _is_checkpoint_name(name: str) -> bool:

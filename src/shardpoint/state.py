@@ -171,21 +171,21 @@ def _restore_param_groups(optimizer: Any, saved: list[dict[str, Any]]) -> None:
         group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+def storage_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
 
 
 def param_shard_index(model_tensors: Mapping[str, Shard]) -> dict[tuple, tuple[str, Shard]]:
     """Map a parameter's storage to its ``(key without "model.", Shard)``; see :func:`find_param`."""
     return {
-        _storage_key(shard.tensor): (key[len(MODEL_PREFIX) :], shard)
+        storage_key(shard.tensor): (key[len(MODEL_PREFIX) :], shard)
         for key, shard in model_tensors.items()
         if shard.tensor.numel() > 0
     }
 
 
 def find_param(by_storage: Mapping[tuple, tuple[str, Shard]], param: torch.Tensor) -> tuple[str, Shard]:
-    found = by_storage.get(_storage_key(param))
+    found = by_storage.get(storage_key(param))
     if found is None:
         raise KeyError(
             f"an optimizer parameter of shape {tuple(param.shape)} is not in the model's state dict; "

@@ -69,6 +69,11 @@ class RemoteMirror:
         """Begin uploading this rank's ``files`` of the committed checkpoint ``local_dir`` (every rank)."""
         name = local_dir.rstrip("/").rsplit("/", 1)[-1]
         self._pending = _Upload(local_dir, name, sorted(f for f in files if f != MARKER_NAME), iteration)
+        if _comm.rank() == 0:
+            # an earlier checkpoint of the same name (a rollback, a re-saved release) must not
+            # leave objects beside the new marker, nor be named by the tracker half-replaced
+            self.storage.remove(self.storage.join(self.root, name))
+        _comm.barrier()
         self._launch()
 
     def _launch(self) -> None:
@@ -82,8 +87,8 @@ class RemoteMirror:
             source = self.local.join(upload.local_dir, name)
             target = self.storage.join(self.root, upload.name, name)
             size = self.local.size(source)
-            if self.storage.exists(target) and self.storage.size(target) == size:
-                continue  # uploaded by an earlier, interrupted attempt
+            if upload.attempts > 1 and self.storage.exists(target) and self.storage.size(target) == size:
+                continue  # uploaded by an earlier, interrupted attempt of this upload
             with open(source, "rb") as src, self.storage.open_write(target) as dst:
                 while chunk := src.read(64 << 20):
                     dst.write(chunk)

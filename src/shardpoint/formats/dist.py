@@ -265,7 +265,8 @@ class DistFormat:
         reader = dcp_reader(ctx.storage, ctx.directory)
         metadata = _comm.agree(reader.read_metadata, "reading DCP metadata")
         missing, unexpected = _compare_keys(flat.tensors, metadata, ctx.directory)
-        _check_shapes(flat.tensors, metadata, meta, ctx)
+        # one rank's mismatch (a pipeline stage's layer) must stop every rank before DCP's collectives
+        _comm.agree(lambda: _check_shapes(flat.tensors, metadata, meta, ctx), "checking tensor shapes")
         present = {k: s for k, s in flat.tensors.items() if k in metadata.state_dict_metadata}
         with _dcp_errors(ctx.directory, loading=True):
             dcp.load(

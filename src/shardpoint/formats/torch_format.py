@@ -105,9 +105,15 @@ class TorchFormat:
         main_path = storage.join(folder, MAIN_FILE)
         payload = _comm.agree(lambda: _read(storage, main_path), "reading the torch-format checkpoint")
         distrib_path = storage.join(folder, DISTRIB_OPTIM_FILE)
-        pieces = read_torch_file(storage, distrib_path, mmap=True)["pieces"] if storage.exists(distrib_path) else None
         stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
-        missing = _fill(flat, stored, payload.get("sharding", {}), pieces, main_path)
+
+        def fill() -> tuple[list[str], dict | None]:
+            pieces = (
+                read_torch_file(storage, distrib_path, mmap=True)["pieces"] if storage.exists(distrib_path) else None
+            )
+            return _fill(flat, stored, payload.get("sharding", {}), pieces, main_path), pieces
+
+        missing, pieces = _comm.agree(fill, "loading the torch-format tensors")
         missing = sorted(set().union(*_comm.all_gather(missing)))
         wanted = set().union(*_comm.all_gather(sorted(flat.tensors)))
         saved_keys = set().union(*_comm.all_gather(sorted(set(stored) | set(pieces or {}))))
