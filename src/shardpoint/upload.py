@@ -69,11 +69,6 @@ class RemoteMirror:
         """Begin uploading this rank's ``files`` of the committed checkpoint ``local_dir`` (every rank)."""
         name = local_dir.rstrip("/").rsplit("/", 1)[-1]
         self._pending = _Upload(local_dir, name, sorted(f for f in files if f != MARKER_NAME), iteration)
-        if _comm.rank() == 0:
-            # an earlier checkpoint of the same name (a rollback, a re-saved release) must not
-            # leave objects beside the new marker, nor be named by the tracker half-replaced
-            self.storage.remove(self.storage.join(self.root, name))
-        _comm.barrier()
         self._launch()
 
     def _launch(self) -> None:
@@ -82,6 +77,10 @@ class RemoteMirror:
         upload.writer = BackgroundWrite(lambda: self._copy_files(upload)).start()
 
     def _copy_files(self, upload: _Upload) -> int:
+        if upload.attempts == 1 and _comm.rank() == 0:
+            # a remote checkpoint of the same name (a rollback, a re-saved release) stops being
+            # committed before its objects are overwritten; the new marker comes last
+            self.storage.remove(self.storage.join(self.root, upload.name, MARKER_NAME))
         copied = 0
         for name in upload.files:
             source = self.local.join(upload.local_dir, name)
