@@ -153,7 +153,7 @@ def boxes_overlap(
     """The intersection of two boxes as ``(offset, shape)`` in global coordinates, or None."""
     lo = [max(a, b) for a, b in zip(offset_a, offset_b)]
     hi = [min(a + sa, b + sb) for a, sa, b, sb in zip(offset_a, shape_a, offset_b, shape_b)]
-    if any(h <= low for low, h in zip(lo, hi)) and len(lo) > 0:
+    if any(h <= low for low, h in zip(lo, hi)):
         return None
     return tuple(lo), tuple(h - low for low, h in zip(lo, hi))
 
