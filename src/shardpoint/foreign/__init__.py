@@ -1,0 +1,18 @@
+"""Megatron-LM and DeepSpeed checkpoints: read safely, import, reshard, export.
+
+* :func:`read_foreign` reads a Megatron-LM (legacy ``torch``, ``torch_dist``) or
+  DeepSpeed / GPT-NeoX (ZeRO-1/2, pipeline) checkpoint into full global tensors with
+  their optimizer state, never unpickling code (:mod:`._unpickle`).
+* :func:`import_checkpoint` writes it as a shardpoint ``dist`` checkpoint.
+* :func:`export_megatron` writes Megatron-LM's legacy format at a new tp/pp (and dp
+  with the distributed optimizer), from either kind of source.
+
+Modules: ``_unpickle`` (allow-list loading), ``_types``, ``structure`` (split dims,
+QKV, GLU, vocab padding), ``megatron``, ``megatron_torch_dist``, ``deepspeed``,
+``importer``, ``exporter``.
+"""
+
+from shardpoint.foreign._types import ForeignCheckpoint
+from shardpoint.foreign.importer import detect, import_checkpoint, locate, read_foreign, to_shardpoint
+
+__all__ = ["ForeignCheckpoint", "detect", "import_checkpoint", "locate", "read_foreign", "to_shardpoint"]

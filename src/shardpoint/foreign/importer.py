@@ -1,0 +1,184 @@
+"""Find, read and import Megatron-LM and DeepSpeed checkpoints as shardpoint ``dist`` checkpoints.
+
+:func:`read_foreign` takes a save directory (with ``latest_checkpointed_iteration.txt``
+or ``latest``) or one iteration directory, detects the tool and format, and returns a
+:class:`~shardpoint.foreign.ForeignCheckpoint`. :func:`import_checkpoint` writes it
+through shardpoint's own offline writer (:func:`shardpoint.offline.write_checkpoint`:
+DCP files, ``common.pt``, ``shardpoint.json`` with checksums, then the tracker), so the
+result is an ordinary ``dist`` checkpoint that loads at any layout.
+
+Keys of the result (a choice, documented in the README): the source tool's own
+parameter names with global layer numbers (``model.decoder.layers.3.mlp.linear_fc1.weight``
+for Megatron; the engine's names for DeepSpeed), and per parameter
+``optimizer.state.<name>.exp_avg`` / ``exp_avg_sq`` / ``step`` (and ``master_param``
+where the weights are not fp32). Keeping the tool's names means a Megatron model's
+``sharded_state_dict`` keys match with no renaming table, and export back is exact.
+
+``common.pt`` carries ``optimizer_param_groups`` (hyperparameters per group), the
+scheduler state, ``extra`` (``consumed_samples``, ``flops``), and ``foreign``: the
+source's tool, format, layout, group membership and small fields that export needs.
+``shardpoint.json``'s ``config`` is the source's args as JSON.
+
+The source is only read. Sources are local directories.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from shardpoint.errors import CheckpointError
+from shardpoint.foreign._types import ForeignCheckpoint
+from shardpoint.foreign.deepspeed import is_deepspeed_dir, read_deepspeed
+from shardpoint.foreign.megatron import is_legacy_dir, read_legacy
+from shardpoint.foreign.megatron_torch_dist import is_torch_dist_dir, read_torch_dist
+from shardpoint.offline import refuse_writing_into_source, write_checkpoint
+from shardpoint.offline._common import ProgressFn
+from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX
+
+__all__ = ["detect", "import_checkpoint", "locate", "read_foreign", "to_shardpoint"]
+
+log = logging.getLogger(__name__)
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+DEEPSPEED_TRACKER = "latest"
+
+
+def locate(path: str | os.PathLike[str], iteration: int | None = None) -> str:
+    """The iteration directory ``path`` means: itself, or the one its tracker (or ``iteration``) names."""
+    path = os.fspath(path)
+    if "://" in path:
+        raise CheckpointError(f"{path}: importing reads local directories; download the checkpoint first")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a directory")
+    if detect(path, strict=False):
+        return path
+    if iteration is not None:
+        for name in (f"iter_{iteration:07d}", f"global_step{iteration}"):
+            if os.path.isdir(os.path.join(path, name)):
+                return os.path.join(path, name)
+        raise CheckpointError(f"{path} has no iter_{iteration:07d}/ nor global_step{iteration}/")
+    for tracker in (MEGATRON_TRACKER, DEEPSPEED_TRACKER):
+        file = os.path.join(path, tracker)
+        if os.path.isfile(file):
+            with open(file) as f:
+                text = f.read().strip()
+            name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else text
+            if os.path.isdir(os.path.join(path, name)):
+                return os.path.join(path, name)
+            raise CheckpointError(f"{file} names {text!r}, but {os.path.join(path, name)} does not exist")
+    raise CheckpointError(
+        f"{path} is neither a Megatron-LM / DeepSpeed checkpoint directory nor a save directory with "
+        f"{MEGATRON_TRACKER} or {DEEPSPEED_TRACKER}; pass the iteration directory"
+    )
+
+
+def detect(directory: str, strict: bool = True) -> str | None:
+    """``"megatron-torch"``, ``"megatron-torch_dist"`` or ``"deepspeed"`` for an iteration directory."""
+    if is_torch_dist_dir(directory):
+        return "megatron-torch_dist"
+    if is_legacy_dir(directory):
+        return "megatron-torch"
+    if is_deepspeed_dir(directory):
+        return "deepspeed"
+    if strict:
+        raise CheckpointError(f"{directory} is not a Megatron-LM (torch, torch_dist) or DeepSpeed checkpoint")
+    return None
+
+
+def read_foreign(path: str | os.PathLike[str], *, source: str | None = None, iteration: int | None = None) -> ForeignCheckpoint:
+    """Read a Megatron-LM or DeepSpeed checkpoint into global tensors.
+
+    Args:
+        path: a save directory or one iteration directory.
+        source: ``"megatron"`` or ``"deepspeed"`` to insist on one tool; None detects it.
+        iteration: which iteration of a save directory (default: its tracker's).
+
+    Example:
+        >>> ckpt = read_foreign("/data/megatron/run1")        # iter dir from the tracker
+        >>> ckpt.params["decoder.layers.0.mlp.linear_fc1.weight"].shape
+    """
+    directory = locate(path, iteration)
+    kind = detect(directory)
+    if source is not None and not kind.startswith(source):
+        raise CheckpointError(f"{directory} is a {kind} checkpoint, not {source}; drop --from or fix it")
+    reader = {"megatron-torch": read_legacy, "megatron-torch_dist": read_torch_dist, "deepspeed": read_deepspeed}[kind]
+    ckpt = reader(directory)
+    log.info("read %s: %s", directory, ckpt.describe())
+    return ckpt
+
+
+def to_shardpoint(ckpt: ForeignCheckpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, int | None]]:
+    """Global-key tensors, common state and split dims of a shardpoint checkpoint holding ``ckpt``."""
+    tensors: dict[str, torch.Tensor] = {}
+    split_dims: dict[str, int | None] = {}
+    for name, tensor in ckpt.params.items():
+        tensors[MODEL_PREFIX + name] = tensor
+        split_dims[MODEL_PREFIX + name] = ckpt.split_dims.get(name)
+        for key, value in ckpt.optimizer.get(name, {}).items():
+            okey = f"{OPTIM_PREFIX}{name}.{key}"
+            tensors[okey] = value
+            split_dims[okey] = ckpt.split_dims.get(name) if value.shape == tensor.shape else None
+    extra: dict[str, Any] = {}
+    if ckpt.consumed_samples is not None:
+        extra["consumed_samples"] = int(ckpt.consumed_samples)
+    flops = ckpt.extra.get("num_floating_point_operations_so_far")
+    if isinstance(flops, (int, float)):
+        extra["flops"] = float(flops)
+    common = {
+        "extra": extra,
+        "optimizer_param_groups": [{k: v for k, v in g.items() if k != "param_names"} for g in ckpt.param_groups],
+        "scheduler": ckpt.scheduler,
+        "distributed_optimizer": False,  # state is stored per parameter: any optimizer layout loads it
+        "foreign": {
+            "tool": ckpt.tool,
+            "format": ckpt.format,
+            "tp": ckpt.tp,
+            "pp": ckpt.pp,
+            "dp": ckpt.dp,
+            "optimizer_sharding": ckpt.optimizer_sharding,
+            "param_groups": [list(g.get("param_names", [])) for g in ckpt.param_groups],
+            "checkpoint_version": ckpt.extra.get("checkpoint_version"),
+        },
+    }
+    return tensors, common, split_dims
+
+
+def import_checkpoint(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    source: str | None = None,
+    iteration: int | None = None,
+    progress: ProgressFn | None = None,
+) -> str:
+    """Import a Megatron-LM or DeepSpeed checkpoint into ``dst`` as a ``dist`` checkpoint; return its directory.
+
+    The result has the source's iteration, a ``megatron`` layout for Megatron sources
+    and ``neox`` (``global_stepN/``, ``latest``) for DeepSpeed ones, and loads through
+    :meth:`shardpoint.Checkpointer.load` at any tp/pp/dp that divides the model.
+
+    Example:
+        >>> import_checkpoint("/data/megatron/run1", "runs/imported")
+    """
+    ckpt = read_foreign(src, source=source, iteration=iteration)
+    refuse_writing_into_source(ckpt.path, dst)
+    tensors, common, split_dims = to_shardpoint(ckpt)
+    written = write_checkpoint(
+        dst,
+        ckpt.iteration,
+        tensors,
+        common,
+        tp=ckpt.tp,
+        pp=1,
+        format="dist",
+        layout="neox" if ckpt.tool == "deepspeed" else "megatron",
+        split_dims=split_dims,
+        config=ckpt.args,
+        progress=progress,
+    )
+    log.info("imported %s (%s %s) into %s", ckpt.path, ckpt.tool, ckpt.format, written)
+    return written

@@ -1,0 +1,217 @@
+"""megatron-core's ``torch_dist`` format, read into the same global names as the legacy format.
+
+An iteration directory holds DCP files (``.metadata``, ``__R_K.distcp``),
+``metadata.json`` (``"sharded_backend": "torch_dist"``) and ``common.pt`` (args,
+iteration, optimizer hyperparameters, scheduler). Differences from the legacy names,
+undone here so both formats import to the same keys:
+
+* uniform transformer layers are *stacked*: ``decoder.layers.<param>`` has a leading
+  ``num_layers`` dim, split into ``decoder.layers.<i>.<param>``;
+* with the local (non Transformer Engine) layer spec, layer norms are saved under
+  the names Transformer Engine fuses them into (``self_attention.linear_qkv.layer_norm_*``
+  for ``input_layernorm.*``, ``mlp.linear_fc1.layer_norm_*`` for ``pre_mlp_layernorm.*``);
+* optimizer state is ``optimizer.state.<exp_avg|exp_avg_sq>.<param key>``, sharded
+  like its parameter, and the step is ``common.pt``'s ``optimizer.state.common_step``.
+
+Non-tensor objects (``ShardedObject``: RNG state, ``_extra_state``) are pickled
+``torch.save`` bytes inside the DCP files; DCP would ``torch.load`` them with
+``weights_only=False``, so the planner here reads them through
+:func:`~shardpoint.foreign._unpickle.load_foreign` instead. DCP's ``.metadata`` is
+read with the restricted unpickler.
+
+Limits: the distributed optimizer's bucket-space keys (``optimizer.distributed.*``,
+``fully_sharded_*`` formats) are refused with an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from shardpoint.errors import CheckpointError, CorruptCheckpointError
+from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
+from shardpoint.foreign._unpickle import load_dcp_metadata_foreign, load_foreign
+from shardpoint.foreign.structure import split_dim
+from shardpoint.offline._common import single_process
+
+__all__ = ["is_torch_dist_dir", "read_torch_dist"]
+
+log = logging.getLogger(__name__)
+
+_OPT = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$")
+_LOCAL_SPEC_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def is_torch_dist_dir(directory: str) -> bool:
+    """True when ``directory`` holds ``metadata.json`` naming the ``torch_dist`` backend."""
+    path = os.path.join(directory, "metadata.json")
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path) as f:
+            return json.load(f).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError):
+        return False
+
+
+class _Reader(FileSystemReader):
+    """DCP's reader with ``.metadata`` unpickled by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = os.path.join(self.path, ".metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = load_dcp_metadata_foreign(f.read(), path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path} is missing; the torch_dist checkpoint is incomplete") from None
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{path} does not hold DCP metadata")
+        return metadata
+
+
+class _Planner(DefaultLoadPlanner):
+    """Fills full-size tensors; pickled objects go through the allow-list loader."""
+
+    def __init__(self, where: str):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.where = where
+        self.objects: dict[str, Any] = {}
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        fqn = read_item.dest_index.fqn
+        self.objects[fqn] = load_foreign(value.read(), f"{self.where} (object {fqn!r})")
+
+
+def read_torch_dist(directory: str) -> ForeignCheckpoint:
+    """Read a megatron-core ``torch_dist`` iteration directory into a :class:`ForeignCheckpoint`."""
+    common = load_foreign(os.path.join(directory, "common.pt"))
+    args = common.get("args")
+    reader = _Reader(directory)
+    metadata = reader.read_metadata()
+    state: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            state[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            state[key] = None  # a pickled object: read by the planner's load_bytes
+    unsupported = [k for k in state if k.startswith("optimizer.") and not _OPT.match(k)]
+    if unsupported:
+        raise CheckpointError(
+            f"{directory}: optimizer keys such as {unsupported[0]!r} are the distributed optimizer's bucket-space "
+            "format, which is not supported yet; save with --dist-ckpt-optim-fully-reshardable or the legacy format"
+        )
+    planner = _Planner(directory)
+    with single_process():
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    local_spec = getattr(args, "transformer_impl", "") == "local"
+    num_layers = int(getattr(args, "num_layers", 0) or 0)
+    ckpt = ForeignCheckpoint(
+        tool="megatron",
+        format="torch_dist",
+        path=directory,
+        iteration=int(common.get("iteration", 0)),
+        tp=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+        pp=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+        dp=int(getattr(args, "data_parallel_size", 1) or 1),
+        scheduler=dict(common.get("opt_param_scheduler") or {}),
+        consumed_samples=getattr(args, "consumed_train_samples", None),
+        args=args_to_json(args) if args is not None else {},
+        extra={
+            "checkpoint_version": common.get("checkpoint_version"),
+            "num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far", 0),
+        },
+    )
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        if value is None:
+            continue
+        match = _OPT.match(key)
+        for name, tensor in _unstack(key if not match else match.group(2), value, num_layers, local_spec):
+            if match:
+                moments.setdefault(name, {})[match.group(1)] = tensor
+            else:
+                ckpt.params[name] = tensor
+                ckpt.split_dims[name] = split_dim(name)
+    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
+    for name in ckpt.params:
+        entry = moments.pop(name, {})
+        if entry and step is not None:
+            entry["step"] = torch.as_tensor(step).clone()
+        ckpt.optimizer[name] = entry
+    if moments:
+        raise CorruptCheckpointError(f"{directory}: optimizer state for unknown parameters {sorted(moments)[:3]}")
+    ckpt.params = _model_order(ckpt.params)
+    ckpt.param_groups = _groups(common, ckpt.params)
+    return ckpt
+
+
+def _unstack(key: str, value: torch.Tensor, num_layers: int, local_spec: bool) -> list[tuple[str, torch.Tensor]]:
+    """``decoder.layers.<p>`` (stacked, leading layer dim) -> ``decoder.layers.<i>.<p>``; legacy names."""
+    prefix, _, rest = key.partition("layers.")
+    if not rest or rest[:1].isdigit() or not prefix.endswith(("decoder.", "encoder.", "")):
+        return [(key, value)]
+    if value.dim() == 0 or value.shape[0] != num_layers:
+        raise CorruptCheckpointError(
+            f"{key}: a stacked layer tensor should have {num_layers} layers in its first dim, has shape {tuple(value.shape)}"
+        )
+    rest = _LOCAL_SPEC_NAMES.get(rest, rest) if local_spec else rest
+    return [(f"{prefix}layers.{i}.{rest}", value[i].clone()) for i in range(num_layers)]
+
+
+def _model_order(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPTModel's parameter order (embedding, layers in order, final norm, output), as the legacy format has it."""
+
+    def rank(name: str) -> tuple:
+        match = re.search(r"layers\.(\d+)\.(.*)$", name)
+        if name.startswith("embedding."):
+            return (0, 0, _within_embedding(name))
+        if match:
+            return (1, int(match.group(1)), _within_layer(match.group(2)))
+        return (2 if "final" in name else 3, 0, 0)
+
+    return dict(sorted(params.items(), key=lambda item: rank(item[0])))
+
+
+def _within_embedding(name: str) -> int:
+    return 0 if "word_embeddings" in name else 1
+
+
+_LAYER_ORDER = [
+    "input_layernorm",
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "pre_mlp_layernorm",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+]
+
+
+def _within_layer(rest: str) -> tuple[int, int]:
+    for i, module in enumerate(_LAYER_ORDER):
+        if rest.startswith(module + "."):
+            return (i, 0 if rest.endswith("weight") else 1)
+    return (len(_LAYER_ORDER), 0)
+
+
+def _groups(common: dict, params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    groups = ((common.get("optimizer") or {}).get("param_groups")) or []
+    result = []
+    for group in groups:
+        no_wd = float(group.get("wd_mult", 1.0)) == 0.0
+        names = [n for n, t in params.items() if (n.endswith(".bias") or t.dim() == 1) == no_wd]
+        result.append({k: v for k, v in group.items() if k not in ("params", "step")} | {"param_names": names})
+    return result
