@@ -64,10 +64,15 @@ class ToyModel(torch.nn.Module):
         return out
 
 
-def build(topo: sp.Topology, zero: bool = False, lr: float = 0.05, **model_args: Any) -> sp.TrainState:
+def build(
+    topo: sp.Topology, zero: bool = False, lr: float = 0.05, optimizer: Any = None, **model_args: Any
+) -> sp.TrainState:
+    """``optimizer``: a ``torch.optim`` class (or factory of ``(params, lr=...)``) instead of AdamW."""
     model = ToyModel(topo, **model_args)
     if zero:
         opt = DistributedAdamW(model.parameters(), dp_group=topo.dp_group(), lr=lr, weight_decay=0.01)
+    elif optimizer is not None:
+        opt = optimizer(model.parameters(), lr=lr)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
@@ -128,6 +133,16 @@ def assemble(snapshots: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     for key, mask in filled.items():
         assert mask.all(), f"{key} not fully covered"
     return full
+
+
+def optimizer_state(state: sp.TrainState) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's optimizer state by parameter key, cloned (whatever its shape)."""
+    model: ToyModel = state.model
+    out = {}
+    for key in model.specs:
+        per_param = state.optimizer.state.get(model.param(key), {})
+        out[key] = {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in per_param.items()}
+    return out
 
 
 def barrier_if_dist() -> None:

@@ -12,13 +12,14 @@ from shardpoint.errors import (
     ConfigMismatchError,
     CorruptCheckpointError,
     MissingKeysError,
+    ReplicaMismatchError,
     StorageError,
     TopologyMismatchError,
     UnsafeCheckpointError,
     ValidationError,
 )
 from shardpoint.policy import BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN
-from shardpoint.sharding import Shard, column_parallel, divide, row_parallel, shard_along, vocab_parallel
+from shardpoint.sharding import RankLocal, Shard, column_parallel, divide, row_parallel, shard_along, vocab_parallel
 from shardpoint.state import TrainState
 from shardpoint.topology import Topology
 
@@ -34,6 +35,8 @@ __all__ = [
     "LatestN",
     "LoadResult",
     "MissingKeysError",
+    "RankLocal",
+    "ReplicaMismatchError",
     "Shard",
     "StorageError",
     "Topology",

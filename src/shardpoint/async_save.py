@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from shardpoint.sharding import Shard
 from shardpoint.state import FlatState
 
 __all__ = ["BackgroundWrite", "SnapshotBuffers"]
+
+_RANK_LOCAL = "rank_local:"  # buffer names of rank-local tensors, apart from global keys
 
 
 class SnapshotBuffers:
@@ -46,10 +47,12 @@ class SnapshotBuffers:
     def snapshot(self, flat: FlatState) -> FlatState:
         """A copy of ``flat`` that the trainer may change right after this returns."""
         tensors = {key: shard.like(self._copy(key, shard.tensor)) for key, shard in flat.tensors.items()}
-        if any(t.is_cuda for t in (s.tensor for s in flat.tensors.values())):
+        own = {key: self._copy(_RANK_LOCAL + key, t) for key, t in flat.rank_local.items()}
+        if any(t.is_cuda for t in [*(s.tensor for s in flat.tensors.values()), *flat.rank_local.values()]):
             torch.cuda.synchronize()
-        self._drop_unused(tensors)
-        return FlatState(tensors, copy.deepcopy(flat.common), copy.deepcopy(flat.per_rank))
+        self._drop_unused({*tensors, *(_RANK_LOCAL + key for key in own)})
+        common, per_rank = copy.deepcopy(flat.common), copy.deepcopy(flat.per_rank)
+        return FlatState(tensors, common, per_rank, own, set(flat.shared_if_equal))
 
     def _copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         source = tensor.detach()
@@ -60,8 +63,8 @@ class SnapshotBuffers:
         buffer.copy_(source, non_blocking=source.is_cuda)
         return buffer
 
-    def _drop_unused(self, tensors: dict[str, Shard]) -> None:
-        for key in set(self._buffers) - set(tensors):
+    def _drop_unused(self, used: set[str]) -> None:
+        for key in set(self._buffers) - used:
             del self._buffers[key]
 
 

@@ -42,6 +42,8 @@ from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata
 from shardpoint.policy import AnySaveDecision, BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN, PreservationPolicy
+from shardpoint.rank_local import RESHARD_POLICIES
+from shardpoint.replicas import check_replicas
 from shardpoint.retention import apply_retention
 from shardpoint.state import (
     MODEL_PREFIX,
@@ -80,6 +82,7 @@ class _PendingSave:
     needed: int = 0
     writer: BackgroundWrite | None = None
     attachments: dict[str, Any] = field(default_factory=dict)  # extra files this rank writes (validation logits)
+    check_replicas: bool = True  # compare declared replicas by hash (optimizer scalars are always compared)
 
 
 @dataclass
@@ -134,6 +137,9 @@ class Checkpointer:
         upload_to: local-first mode: after each local commit, copy the checkpoint to
             this ``s3://`` prefix in the background and move the remote tracker when the
             upload is complete (see :mod:`shardpoint.upload`).
+        replica_check_interval: compare tensors that several ranks hold (declared
+            replicas) by hash on the first save and every N-th save after it (1: every
+            save, 0: never); a mismatch stops the save. See :mod:`shardpoint.replicas`.
 
     Example:
         >>> ckpt = Checkpointer("runs/gpt", topology=topo, save_interval=100, keep_last=3)
@@ -163,9 +169,12 @@ class Checkpointer:
         verify: bool = True,
         thread_count: int = 1,
         upload_to: str | None = None,
+        replica_check_interval: int = 1,
     ):
         if async_save and format != "dist":
             raise ValueError(f"async_save=True needs format='dist' (got format={format!r})")
+        if replica_check_interval < 0:
+            raise ValueError(f"replica_check_interval must be >= 0, got {replica_check_interval}")
         self.storage = open_storage(path)
         self.root = self.storage.root
         self.topology = topology or Topology(1, 1, _comm.world_size())
@@ -189,6 +198,8 @@ class Checkpointer:
         self.allow_config_mismatch = set(allow_config_mismatch)
         self.verify = verify
         self.thread_count = thread_count
+        self.replica_check_interval = replica_check_interval
+        self._saves_started = 0
         self.async_save = async_save
         self._async_group = _comm.new_group() if async_save else None
         self._buffers = SnapshotBuffers()
@@ -322,6 +333,9 @@ class Checkpointer:
         pending = _PendingSave(
             iteration, self.storage.join(self.root, name), flat, dict(metrics), dict(extra), update_tracker
         )
+        interval = self.replica_check_interval
+        pending.check_replicas = interval > 0 and self._saves_started % interval == 0
+        self._saves_started += 1
         pending.attachments = {k: _detached_copy(v) for k, v in (attachments or {}).items()}
         if background:
             pending.flat = self._buffers.snapshot(flat)
@@ -343,7 +357,12 @@ class Checkpointer:
         """
         rank = _comm.rank()
         name = self.layout.dir_name(pending.iteration)
-        pending.needed = _deduplicated_bytes(pending.flat, group)
+        replicas = _comm.agree(
+            lambda: check_replicas(pending.flat, group, check_declared=pending.check_replicas),
+            "comparing replicated tensors",
+            group,
+        )
+        pending.needed = replicas.deduplicated_bytes
         tmp = _comm.broadcast(
             _comm.agree(
                 lambda: self._begin(name, pending.needed) if rank == 0 else None,
@@ -505,11 +524,18 @@ class Checkpointer:
         strict: bool = True,
         verify: bool | None = None,
         fallback: bool = False,
+        optimizer_reshard: str = "error",
     ) -> LoadResult | None:
         """Load the latest checkpoint (or ``iteration``) into ``state``; None when there is none.
 
         Every rank calls this. A release checkpoint, or ``finetune=True``, loads no
         optimizer, scheduler or RNG and resumes at iteration 0.
+
+        Optimizer state that was saved per rank (not elementwise with its parameter,
+        e.g. Adafactor's factored statistics of a sharded weight) is restored exactly
+        at the saved layout only. At another layout ``optimizer_reshard="error"``
+        (default) raises naming those states; ``"reinit"`` loads everything else and
+        re-initialises them to zeros with a warning naming each one.
 
         Raises:
             ConfigMismatchError: the saved config differs (keys named in the message).
@@ -517,6 +543,8 @@ class Checkpointer:
             CorruptCheckpointError: a file is missing, truncated or fails its checksum.
             TopologyMismatchError: the checkpoint cannot be loaded at this layout.
         """
+        if optimizer_reshard not in RESHARD_POLICIES:
+            raise ValueError(f"optimizer_reshard must be one of {RESHARD_POLICIES}, got {optimizer_reshard!r}")
         self._finalize(blocking=True)
         verify = self.verify if verify is None else verify
         rank = _comm.rank()
@@ -537,7 +565,7 @@ class Checkpointer:
         self._check_config(meta, path)
         finetune = finetune or meta.release
         fmt = get_format(meta.format)
-        ctx = FormatContext(self.storage, path, self.topology, strict=strict)
+        ctx = FormatContext(self.storage, path, self.topology, strict=strict, optimizer_reshard=optimizer_reshard)
         # every file some rank reads, split over all ranks (each rank's own list may differ: torch format)
         files = sorted(set().union(*_comm.all_gather(fmt.files_to_read(ctx, meta))))
         _comm.agree(lambda: verify_share(self.storage, path, meta, files, verify), "verifying checkpoint files")
@@ -585,7 +613,7 @@ def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: 
     """
     missing = set(loaded.missing)
     by_param: dict[str, set[str]] = {}
-    for key in flat.tensors:
+    for key in [*flat.tensors, *flat.rank_local]:
         if key.startswith(OPTIM_PREFIX):
             by_param.setdefault(key[len(OPTIM_PREFIX) :].rsplit(".", 1)[0], set()).add(key)
     unsaved = {param for param, keys in by_param.items() if keys <= missing}
@@ -604,15 +632,6 @@ def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: 
                 found = index.get(storage_key(param))
                 if found is not None and found[0] in unsaved:
                     optimizer.state.pop(param, None)
-
-
-def _deduplicated_bytes(flat: FlatState, group: Any = None) -> int:
-    """Bytes the whole job will write, each replicated box counted once (an estimate for the space check)."""
-    local = {(k, s.global_offset): s.tensor.numel() * s.tensor.element_size() for k, s in flat.tensors.items()}
-    merged: dict[tuple, int] = {}
-    for part in _comm.all_gather(local, group):
-        merged.update(part)
-    return sum(merged.values())
 
 
 def _detached_copy(value: Any) -> Any:

@@ -66,6 +66,26 @@ class MissingKeysError(CheckpointError):
         super().__init__("\n".join(parts))
 
 
+class ReplicaMismatchError(CheckpointError):
+    """Ranks that should hold the same value of a tensor hold different ones; the save stopped."""
+
+    def __init__(self, disagreements: dict[str, list[list[int]]]):
+        self.disagreements = disagreements
+        lines = [
+            f"  {key!r}: " + "; ".join(f"ranks {ranks} hold one value" for ranks in groups)
+            for key, groups in sorted(disagreements.items())
+        ]
+        super().__init__(
+            f"{len(disagreements)} tensor(s) declared replicated differ between the ranks holding them:\n"
+            + "\n".join(lines[:8])
+            + ("\n  ..." if len(lines) > 8 else "")
+            + "\nNothing was saved and the tracker still names the previous checkpoint. Replicas that drifted "
+            "apart mean the ranks trained different models (are gradients all-reduced over data parallel?); a "
+            "tensor that is meant to differ by rank must not be declared replicated: describe its box with "
+            "sp.Shard, or wrap it in sp.RankLocal to store it per rank."
+        )
+
+
 class StorageError(CheckpointError):
     """Reading or writing the storage failed (disk full, permission denied, ...)."""
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from shardpoint.topology import Topology
 
 __all__ = [
+    "RankLocal",
     "Shard",
     "column_parallel",
     "divide",
@@ -84,6 +85,18 @@ class Shard:
         return Shard(tensor, self.global_shape, self.global_offset, self.replica_id)
 
 
+@dataclass
+class RankLocal:
+    """A tensor that belongs to this rank alone, e.g. a buffer that differs by rank.
+
+    A plain tensor in ``sharded_state_dict()`` is declared replicated (stored once, and
+    checked equal across ranks at save); wrap a rank-specific one in ``RankLocal`` and it
+    is stored under this rank's own key instead, restored exactly at the same layout.
+    """
+
+    tensor: torch.Tensor
+
+
 def divide(size: int, parts: int, what: str = "tensor") -> int:
     """``size // parts``, or :class:`TopologyMismatchError` naming ``what`` when it does not divide."""
     if size % parts:
@@ -133,15 +146,22 @@ def to_shard(value: Any, key: str) -> Shard:
     )
 
 
-def flatten_shards(values: Mapping[str, Any], prefix: str) -> dict[str, Shard]:
-    """``{prefix + key: Shard}`` for a (possibly nested) mapping of tensor-like values."""
+def flatten_shards(
+    values: Mapping[str, Any], prefix: str, rank_local: dict[str, torch.Tensor] | None = None
+) -> dict[str, Shard]:
+    """``{prefix + key: Shard}`` for a (possibly nested) mapping of tensor-like values.
+
+    :class:`RankLocal` values go to ``rank_local`` (a TypeError when it is not given).
+    """
     flat: dict[str, Shard] = {}
     for key, value in values.items():
         full_key = f"{prefix}{key}"
         if isinstance(value, Mapping):
-            flat.update(flatten_shards(value, full_key + "."))
+            flat.update(flatten_shards(value, full_key + ".", rank_local))
         elif value is None:
             continue
+        elif isinstance(value, RankLocal) and rank_local is not None:
+            rank_local[full_key] = value.tensor
         else:
             flat[full_key] = to_shard(value, full_key)
     return flat

@@ -22,7 +22,7 @@ import torch
 from shardpoint import rng
 from shardpoint.sharding import Shard, flatten_shards, to_shard
 
-__all__ = ["FlatState", "TrainState", "collect", "param_shard_index", "restore"]
+__all__ = ["FlatState", "TrainState", "add_optimizer_state", "collect", "param_shard_index", "restore"]
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,30 @@ class TrainState:
 
 @dataclass
 class FlatState:
-    """A TrainState flattened for a format: global-key tensors plus two small dicts."""
+    """A TrainState flattened for a format.
+
+    Attributes:
+        tensors: global-key shards; a box held by several ranks is a replica and is
+            stored once (see :mod:`shardpoint.replicas` for the check that they agree).
+        common: small state every rank shares (iteration, hyperparameters, scheduler).
+        per_rank: small state of this rank alone (RNG streams).
+        rank_local: tensors that belong to this rank only and have no place in a global
+            tensor (e.g. Adafactor's factored statistics of a sharded parameter). They
+            are stored under this rank's own key and restored only at the same layout.
+        shared_if_equal: keys of ``tensors`` whose holders may legitimately disagree
+            (optimizer scalars, non-elementwise state of whole parameters): stored once
+            when every holder has the same value, moved to ``rank_local`` otherwise.
+    """
 
     tensors: dict[str, Shard]
     common: dict[str, Any]
     per_rank: dict[str, Any]
+    rank_local: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared_if_equal: set[str] = field(default_factory=set)
 
     def nbytes(self) -> int:
-        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.tensors.values())
+        tensors = [s.tensor for s in self.tensors.values()] + list(self.rank_local.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def collect(
@@ -78,21 +94,22 @@ def collect(
     init_optimizer: bool = False,
 ) -> FlatState:
     """Flatten ``state`` into global-key shards (views of the live tensors, no copies)."""
-    tensors = model_shards(state.model) if state.model is not None else {}
     common: dict[str, Any] = {"iteration": iteration, "extra": dict(state.extra)}
+    per_rank = {"rng": rng.capture(state.generators)} if include_rng else {}
+    flat = FlatState({}, common, per_rank)
+    if state.model is not None:
+        flat.tensors = model_shards(state.model, flat.rank_local)
     if include_optimizer and state.optimizer is not None:
         if init_optimizer:
             _ensure_optimizer_state(state.optimizer)
-        opt_tensors, param_groups = optimizer_shards(state.optimizer, state.model, tensors)
-        tensors.update(opt_tensors)
-        common["optimizer_param_groups"] = param_groups
+        add_optimizer_state(flat, state.optimizer)
+        common["optimizer_param_groups"] = _param_groups(state.optimizer)
         common["distributed_optimizer"] = hasattr(state.optimizer, "sharded_state_dict")
     if include_optimizer and state.scheduler is not None:
         common["scheduler"] = state.scheduler.state_dict()
     if include_optimizer and state.grad_scaler is not None:
         common["grad_scaler"] = state.grad_scaler.state_dict()
-    per_rank = {"rng": rng.capture(state.generators)} if include_rng else {}
-    return FlatState(tensors, common, per_rank)
+    return flat
 
 
 def restore(
@@ -117,20 +134,30 @@ def restore(
         rng.restore(per_rank["rng"], state.generators)
 
 
-def model_shards(model: torch.nn.Module) -> dict[str, Shard]:
+def model_shards(model: torch.nn.Module, rank_local: dict[str, torch.Tensor] | None = None) -> dict[str, Shard]:
+    """The model's tensors under ``model.<key>``; :class:`~shardpoint.sharding.RankLocal` ones go to ``rank_local``."""
     values = model.sharded_state_dict() if hasattr(model, "sharded_state_dict") else model.state_dict()
-    return flatten_shards(values, MODEL_PREFIX)
+    return flatten_shards(values, MODEL_PREFIX, rank_local)
 
 
-def optimizer_shards(
-    optimizer: Any, model: torch.nn.Module | None, model_tensors: Mapping[str, Shard]
-) -> tuple[dict[str, Shard], list[dict[str, Any]]]:
-    """Per-parameter optimizer state as shards that follow their parameter's sharding."""
+def add_optimizer_state(flat: FlatState, optimizer: Any) -> None:
+    """Add per-parameter optimizer state to ``flat``, placed by how it relates to its parameter.
+
+    - elementwise state (Adam's moments: the parameter's shape) takes the parameter's
+      box in the global tensor, so it reshards with it;
+    - scalars (``step``) and any state of a whole (unsharded) parameter mean the same
+      thing at every layout: stored once when all ranks holding them agree, per rank
+      otherwise (``flat.shared_if_equal``);
+    - other state of a sharded parameter (Adafactor's ``row_var``/``col_var``) describes
+      this rank's piece only: it is rank-local and never merged with another rank's.
+
+    A distributed optimizer that defines ``sharded_state_dict(model_shards)`` places
+    its state itself, with :class:`~shardpoint.sharding.Shard`.
+    """
     if hasattr(optimizer, "sharded_state_dict"):
-        values = optimizer.sharded_state_dict(model_tensors)
-        return flatten_shards(values, OPTIM_PREFIX), _param_groups(optimizer)
-    by_storage = param_shard_index(model_tensors)
-    shards: dict[str, Shard] = {}
+        flat.tensors.update(flatten_shards(optimizer.sharded_state_dict(flat.tensors), OPTIM_PREFIX))
+        return
+    by_storage = param_shard_index(flat.tensors)
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param not in optimizer.state or not optimizer.state[param]:
@@ -142,10 +169,12 @@ def optimizer_shards(
                     value = torch.tensor(value)
                     optimizer.state[param][name] = value
                 if value.shape == param.shape:
-                    shards[key] = param_shard.like(value)
+                    flat.tensors[key] = param_shard.like(value)
+                elif value.dim() == 0 or param_shard.is_full:
+                    flat.tensors[key] = to_shard(value, key)
+                    flat.shared_if_equal.add(key)
                 else:
-                    shards[key] = to_shard(value, key)
-    return shards, _param_groups(optimizer)
+                    flat.rank_local[key] = value
 
 
 def load_optimizer_shards(optimizer: Any, loaded: Mapping[str, Shard]) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from shardpoint import rank_local
 from shardpoint.integrity import HashingWriter
 from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.safe_io import safe_torch_load
@@ -35,6 +36,7 @@ class FormatContext:
     thread_count: int = 1
     distributed_optimizer: bool = False
     process_group: Any = None  # for DCP's collectives; a dedicated one for background saves
+    optimizer_reshard: str = "error"  # per-rank state at another layout: "error" or "reinit" (see rank_local)
 
 
 @dataclass
@@ -91,7 +93,10 @@ def unexpected_keys(saved: set[str], wanted: set[str]) -> list[str]:
 
     Loading without the optimizer leaves every ``optimizer.*`` key unasked; that is a
     choice, not a mismatch, so only parts (``model``, ``optimizer``) that were asked
-    for can hold unexpected keys.
+    for can hold unexpected keys. Rank-local copies are placed by
+    :func:`shardpoint.rank_local.resolve`, which decides what each rank reads of them.
     """
     asked_parts = {k.split(".", 1)[0] for k in wanted}
-    return sorted(k for k in saved - wanted if k.split(".", 1)[0] in asked_parts)
+    return sorted(
+        k for k in saved - wanted if k.split(".", 1)[0] in asked_parts and not k.startswith(rank_local.PREFIX)
+    )

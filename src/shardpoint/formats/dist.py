@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from shardpoint import _comm
+from shardpoint import _comm, rank_local
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.integrity import HashingWriter
@@ -241,12 +241,14 @@ class DistFormat:
         storage, directory = ctx.storage, ctx.directory
         storage.makedirs(storage.join(directory, "rng"))
         writer = dcp_writer(storage, directory, ctx.thread_count)
-        state_dict = {key: shard.tensor for key, shard in flat.tensors.items()}
+        shards = dict(flat.tensors)
+        shards.update({rank_local.stored_key(k, rank): rank_local.whole(t) for k, t in flat.rank_local.items()})
+        state_dict = {key: shard.tensor for key, shard in shards.items()}
         with _dcp_errors(directory):
             dcp.save(
                 state_dict,
                 storage_writer=writer,
-                planner=ShardSavePlanner(flat.tensors),
+                planner=ShardSavePlanner(shards),
                 process_group=ctx.process_group,
                 no_dist=not _comm.initialized(),
             )
@@ -264,10 +266,13 @@ class DistFormat:
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
         reader = dcp_reader(ctx.storage, ctx.directory)
         metadata = _comm.agree(reader.read_metadata, "reading DCP metadata")
-        missing, unexpected = _compare_keys(flat.tensors, metadata, ctx.directory)
+        targets, reinit = _comm.agree(lambda: self._targets(ctx, flat, meta, metadata), "placing per-rank state")
+        if ctx.optimizer_reshard == "reinit":
+            rank_local.warn_reinit(reinit, ctx.directory)
+        missing, unexpected = _compare_keys(targets, metadata, ctx.directory)
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before DCP's collectives
-        _comm.agree(lambda: _check_shapes(flat.tensors, metadata, meta, ctx), "checking tensor shapes")
-        present = {k: s for k, s in flat.tensors.items() if k in metadata.state_dict_metadata}
+        _comm.agree(lambda: _check_shapes(targets, metadata, meta, ctx), "checking tensor shapes")
+        present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
         with _dcp_errors(ctx.directory, loading=True):
             dcp.load(
                 {k: s.tensor for k, s in present.items()},
@@ -277,6 +282,27 @@ class DistFormat:
             )
         common = read_torch_file(ctx.storage, ctx.storage.join(ctx.directory, COMMON_FILE))
         return Loaded(common, self._per_rank(ctx, meta), missing, unexpected)
+
+    @staticmethod
+    def _targets(
+        ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata, metadata: Metadata
+    ) -> tuple[dict[str, Shard], list[str]]:
+        """DCP key -> target shard (global keys, this rank's own keys for rank-local state); re-initialised keys."""
+        rank = _comm.rank()
+        saved = metadata.state_dict_metadata
+        per_rank = [split for split in map(rank_local.split_key, saved) if split is not None]
+        same_layout = meta.topology == ctx.topology.describe()
+        plan = rank_local.resolve(
+            flat,
+            saved,
+            {key for r, key in per_rank if r == rank} if same_layout else (),
+            {key for _, key in per_rank},
+            policy=ctx.optimizer_reshard,
+            where=ctx.directory,
+        )
+        targets = dict(plan.shared)
+        targets.update({rank_local.stored_key(k, rank): rank_local.whole(t) for k, t in plan.own.items()})
+        return targets, plan.reinit
 
     def _per_rank(self, ctx: FormatContext, meta: CheckpointMetadata) -> dict[str, Any] | None:
         if meta.topology != ctx.topology.describe():

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shardpoint import _comm
+from shardpoint import _comm, rank_local
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.metadata import CheckpointMetadata, FileRecord
@@ -52,10 +52,13 @@ class TorchFormat:
         folder = topo.mp_rank_name
         dp_sharded = {k: s for k, s in flat.tensors.items() if ctx.distributed_optimizer and k.startswith(OPTIM_PREFIX)}
         plain = {k: s for k, s in flat.tensors.items() if k not in dp_sharded}
-        rng_states = self._gather_over_dp(topo, flat.per_rank.get("rng"))
+        own = {k: _compact(t) for k, t in flat.rank_local.items()}
+        per_dp_rank = self._gather_over_dp(topo, (flat.per_rank.get("rng"), own))
         pieces = self._gather_over_dp(topo, _pieces(dp_sharded)) if dp_sharded else None
         if topo.dp_rank != 0:
             return {}
+        rng_states = [rng for rng, _ in per_dp_rank]
+        rank_local_states = [own for _, own in per_dp_rank]
         storage = ctx.storage
         storage.makedirs(storage.join(ctx.directory, folder))
         payload = {
@@ -69,6 +72,7 @@ class TorchFormat:
             },
             "common": flat.common,
             "rng_state": rng_states if flat.per_rank else None,
+            "rank_local": rank_local_states if any(rank_local_states) else None,
             "num_floating_point_operations_so_far": flat.common.get("extra", {}).get("flops", 0),
             "config_json": json.dumps(flat.common.get("config", {})),
             "topology": topo.describe(),
@@ -107,15 +111,20 @@ class TorchFormat:
         distrib_path = storage.join(folder, DISTRIB_OPTIM_FILE)
         stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
 
-        def fill() -> tuple[list[str], dict | None]:
+        def fill() -> tuple[list[str], dict | None, list[str]]:
             pieces = (
                 read_torch_file(storage, distrib_path, mmap=True)["pieces"] if storage.exists(distrib_path) else None
             )
-            return _fill(flat, stored, payload.get("sharding", {}), pieces, main_path), pieces
+            plan = _rank_local_plan(ctx, flat, meta, payload, set(stored) | set(pieces or {}), main_path)
+            missing = _fill(plan.shared, stored, payload.get("sharding", {}), pieces, main_path)
+            _fill_own(plan.own, payload["rank_local"][ctx.topology.dp_rank] if plan.own else {}, main_path)
+            return missing, pieces, plan.reinit
 
-        missing, pieces = _comm.agree(fill, "loading the torch-format tensors")
+        missing, pieces, reinit = _comm.agree(fill, "loading the torch-format tensors")
+        if ctx.optimizer_reshard == "reinit":
+            rank_local.warn_reinit(reinit, ctx.directory)
         missing = sorted(set().union(*_comm.all_gather(missing)))
-        wanted = set().union(*_comm.all_gather(sorted(flat.tensors)))
+        wanted = set().union(*_comm.all_gather(sorted(set(flat.tensors) | set(flat.rank_local))))
         saved_keys = set().union(*_comm.all_gather(sorted(set(stored) | set(pieces or {}))))
         per_rank = _per_rank(payload.get("rng_state"), meta, ctx)
         return Loaded(payload["common"], per_rank, missing, unexpected_keys(saved_keys, wanted))
@@ -139,12 +148,32 @@ def _read(storage: Storage, path: str) -> dict[str, Any]:
     return read_torch_file(storage, path, mmap=True)
 
 
+def _rank_local_plan(
+    ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata, payload: dict, shared: set[str], where: str
+) -> rank_local.RankLocalPlan:
+    per_dp_rank = payload.get("rank_local") or []
+    same_layout = meta.topology["dp"] == ctx.topology.dp_size  # tp and pp were checked already
+    return rank_local.resolve(
+        flat,
+        shared,
+        set(per_dp_rank[ctx.topology.dp_rank]) if same_layout and per_dp_rank else (),
+        set().union(*per_dp_rank),
+        policy=ctx.optimizer_reshard,
+        where=where,
+    )
+
+
+def _fill_own(targets: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], where: str) -> None:
+    for key, target in targets.items():
+        _copy_whole(key, rank_local.whole(target), stored[key], None, where)
+
+
 def _fill(
-    flat: FlatState, stored: dict[str, torch.Tensor], boxes: dict[str, dict], pieces: dict | None, where: str
+    targets: dict[str, Shard], stored: dict[str, torch.Tensor], boxes: dict[str, dict], pieces: dict | None, where: str
 ) -> list[str]:
-    """Copy stored tensors into ``flat``'s targets; returns the keys found nowhere."""
+    """Copy stored tensors into ``targets``; returns the keys found nowhere."""
     missing = []
-    for key, target in flat.tensors.items():
+    for key, target in targets.items():
         if key in stored:
             _copy_whole(key, target, stored[key], boxes.get(key), where)
         elif pieces is not None and key in pieces:

@@ -1,0 +1,124 @@
+"""Values that several ranks hold: checked equal before they are stored once.
+
+DCP stores a box of a global tensor once, whichever rank holds it, so a value that
+several ranks hold is *declared* identical on all of them. When that is not true —
+data-parallel replicas that drifted apart, a buffer that is really per rank, a
+per-rank optimizer statistic under a global key — storing one copy loses the others
+silently, and every rank reads the one copy back. Megatron checks parameter hashes
+across data-parallel replicas for this reason; so do we, at every save, before
+anything is committed:
+
+1. every rank tells the others which boxes it holds (one small all-gather, which
+   also gives the job's deduplicated size for the free-space check);
+2. each rank hashes (XXH3-64) only the boxes some other rank holds too, and the
+   hashes are exchanged (a second small all-gather, skipped when nothing is shared);
+3. a value in ``FlatState.shared_if_equal`` whose holders disagree (an optimizer
+   scalar that differs by rank) moves to ``FlatState.rank_local`` and is stored per
+   rank; any other disagreement raises :class:`~shardpoint.errors.ReplicaMismatchError`
+   on every rank, naming the key and which ranks hold which value.
+
+The hashes cost one read of the replicated bytes (no copy for CPU tensors; a copy to
+host for GPU tensors). ``Checkpointer(replica_check_interval=N)`` checks declared
+replicas on the first save and every N-th save after it; the ``shared_if_equal``
+values are small and decide where state is stored, so they are hashed at every save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from shardpoint import _comm
+from shardpoint.errors import ReplicaMismatchError
+from shardpoint.state import FlatState
+
+__all__ = ["ReplicaReport", "check_replicas", "fingerprint"]
+
+_Box = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass
+class ReplicaReport:
+    """What :func:`check_replicas` found: bytes the job writes, and what it compared."""
+
+    deduplicated_bytes: int
+    compared: int = 0
+    compared_bytes: int = 0
+    moved_to_rank_local: tuple[str, ...] = ()
+
+
+def fingerprint(tensor: torch.Tensor) -> tuple[str, int]:
+    """``(dtype, XXH3-64 of the bytes)`` of a tensor, read in place for contiguous CPU tensors."""
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    raw = data.contiguous().reshape(-1).view(torch.uint8)
+    return str(data.dtype), xxhash.xxh3_64_intdigest(memoryview(raw.numpy()))
+
+
+def check_replicas(flat: FlatState, group: Any = None, *, check_declared: bool = True) -> ReplicaReport:
+    """Collective over ``group``: verify shared boxes agree; move disagreeing per-rank values aside.
+
+    Every rank of ``group`` must call this with its own ``flat`` at the same point.
+    ``check_declared=False`` hashes only ``flat.shared_if_equal`` (see the module
+    docstring for why those are always checked).
+
+    Raises:
+        ReplicaMismatchError: a declared replica differs between ranks (on every rank).
+    """
+    boxes = {key: _box(key, shard) for key, shard in flat.tensors.items()}
+    local = [(box, _nbytes(flat.tensors[key].tensor), key in flat.shared_if_equal) for key, box in boxes.items()]
+    rank_local_bytes = sum(_nbytes(t) for t in flat.rank_local.values())
+    gathered = _comm.all_gather((local, rank_local_bytes), group)
+    holders: dict[_Box, list[int]] = {}
+    sizes: dict[_Box, int] = {}
+    always: set[_Box] = set()
+    for rank, (entries, _) in enumerate(gathered):
+        for box, nbytes, shared_if_equal in entries:
+            holders.setdefault(box, []).append(rank)
+            sizes[box] = nbytes
+            if shared_if_equal:
+                always.add(box)
+    report = ReplicaReport(sum(sizes.values()) + sum(extra for _, extra in gathered))
+    # decided from gathered data only, so every rank takes the same branch (the next all-gather)
+    checked = {box for box, ranks in holders.items() if len(ranks) > 1 and (check_declared or box in always)}
+    if not checked:
+        return report
+    mine = {box: fingerprint(flat.tensors[box[0]].tensor) for box in boxes.values() if box in checked}
+    hashes = _comm.all_gather(mine, group)
+    report.compared = len(checked)
+    report.compared_bytes = sum(sizes[box] for box in checked)
+    disagreements = _disagreements(hashes)
+    movable = {key for key in disagreements if key in flat.shared_if_equal}
+    for key in movable:
+        flat.rank_local[key] = flat.tensors.pop(key).tensor
+    report.moved_to_rank_local = tuple(sorted(movable))
+    declared = {key: groups for key, groups in disagreements.items() if key not in movable}
+    if declared:
+        raise ReplicaMismatchError(declared)
+    return report
+
+
+def _disagreements(hashes: Iterable[dict[_Box, tuple[str, int]]]) -> dict[str, list[list[int]]]:
+    """``{key: [[ranks with value A], [ranks with value B], ...]}`` for keys with a box holding two values."""
+    by_box: dict[_Box, dict[tuple[str, int], list[int]]] = {}
+    for rank, entries in enumerate(hashes):
+        for box, digest in entries.items():
+            by_box.setdefault(box, {}).setdefault(digest, []).append(rank)
+    found: dict[str, list[list[int]]] = {}
+    for box, values in by_box.items():
+        if len(values) > 1:
+            found.setdefault(box[0], []).extend(sorted(values.values()))
+    return found
+
+
+def _box(key: str, shard: Any) -> _Box:
+    return key, tuple(shard.global_offset), tuple(shard.tensor.shape)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
