@@ -180,6 +180,13 @@ class Methods:
         ckpt.save(self._iteration, state)
         return ckpt
 
+    def replica_hash(self) -> None:
+        """What the replica check costs when every byte is replicated (pure data parallel): hash it all."""
+        from shardpoint.replicas import fingerprint
+
+        for tensor in self.state.values():
+            fingerprint(tensor)
+
     def sp_load(self, root: str | None = None, verify: bool = True) -> None:
         import shardpoint as sp
 
@@ -234,6 +241,7 @@ def _main_rounds(m: Methods, repeat: int) -> dict[str, list[float]]:
     # writes and their reads stay paired; the pairs rotate between rounds
     pairs: list[list[tuple[str, Callable[[], Any]]]] = [
         [("memory copy", m.memcopy)],
+        [("replica check, all bytes hashed", m.replica_hash)],
         [("sequential write+fsync", m.raw_write), ("sequential read", m.raw_read)],
         [
             ("shardpoint save", m.sp_save),
@@ -418,6 +426,7 @@ def summarize(directory: str, config: BenchConfig, main: list[dict], reshard: li
         "async stall / sync save": ("shardpoint async stall", "shardpoint save", "<=", 0.10),
         "write limit time / save time": ("sequential write+fsync", "shardpoint save", ">=", 0.8),
         "save / torch.save per rank": ("shardpoint save", "torch.save per rank", "<", 1.0),
+        "replica check (worst case) / save": ("replica check, all bytes hashed", "shardpoint save", "<=", 0.1),
         "save / plain DCP save": ("shardpoint save", "dcp save", "<", 1.0),
         "load / plain DCP load": ("shardpoint load", "dcp load", "<=", 1.0),
         "load without checksums / plain DCP load": ("shardpoint load, sizes only", "dcp load", "<=", 1.0),
