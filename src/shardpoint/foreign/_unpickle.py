@@ -145,7 +145,10 @@ _MEGATRON_ENUMS = [
 # DeepSpeed's ZeRO optimizer state: the stage enum, the static/dynamic loss scaler
 # (attributes cur_scale, dynamic, ...), and the fragment address of each parameter in
 # a flat partition (numel, start).
-_DEEPSPEED_ENUMS = ["deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum"]
+_DEEPSPEED_ENUMS = [
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum",
+]
 _DEEPSPEED_OBJECTS = [
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",

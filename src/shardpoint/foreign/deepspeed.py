@@ -68,7 +68,9 @@ def read_deepspeed(directory: str) -> ForeignCheckpoint:
     layers = {n: m for n in names if (m := _LAYER.match(n))}
     pipeline = bool(layers)
     if not pipeline and int(first.get("mp_world_size", 1) or 1) > 1:
-        raise CheckpointError(f"{directory}: tensor-parallel DeepSpeed checkpoints (mp_world_size > 1) are not supported yet")
+        raise CheckpointError(
+            f"{directory}: tensor-parallel DeepSpeed checkpoints (mp_world_size > 1) are not supported yet"
+        )
     if any(m.group(2) not in (None, "00") for m in layers.values()):
         raise CheckpointError(f"{directory}: tensor-parallel layer files (layer_LL-model_TT) are not supported yet")
     weights = _pipeline_weights(directory, layers) if pipeline else dict(first["module"] or {})
@@ -83,8 +85,10 @@ def read_deepspeed(directory: str) -> ForeignCheckpoint:
         dp=int(first.get("dp_world_size", 1) or 1),
         scheduler=dict(first.get("lr_scheduler") or {}),
         consumed_samples=first.get("global_samples"),
-        args={**(args_to_json(args) if isinstance(args, dict) or hasattr(args, "__dict__") else {}),
-              "ds_config": args_to_json(first.get("ds_config") or {})},
+        args={
+            **(args_to_json(args) if isinstance(args, dict) or hasattr(args, "__dict__") else {}),
+            "ds_config": args_to_json(first.get("ds_config") or {}),
+        },
         extra={"ds_version": first.get("ds_version"), "skipped_steps": first.get("skipped_steps", 0)},
     )
     for mp in sorted(states):

@@ -89,7 +89,9 @@ def detect(directory: str, strict: bool = True) -> str | None:
     return None
 
 
-def read_foreign(path: str | os.PathLike[str], *, source: str | None = None, iteration: int | None = None) -> ForeignCheckpoint:
+def read_foreign(
+    path: str | os.PathLike[str], *, source: str | None = None, iteration: int | None = None
+) -> ForeignCheckpoint:
     """Read a Megatron-LM or DeepSpeed checkpoint into global tensors.
 
     Args:
@@ -142,6 +144,7 @@ def to_shardpoint(ckpt: ForeignCheckpoint) -> tuple[dict[str, torch.Tensor], dic
             "optimizer_sharding": ckpt.optimizer_sharding,
             "param_groups": [list(g.get("param_names", [])) for g in ckpt.param_groups],
             "checkpoint_version": ckpt.extra.get("checkpoint_version"),
+            "rng_state": ckpt.extra.get("rng_state"),
         },
     }
     return tensors, common, split_dims

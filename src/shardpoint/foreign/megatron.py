@@ -77,7 +77,9 @@ def read_legacy(directory: str) -> ForeignCheckpoint:
     tp = max(t for t, _ in ranks) + 1
     pp = max(p for _, p in ranks) + 1
     if len(ranks) != tp * pp:
-        raise CorruptCheckpointError(f"{directory}: expected {tp * pp} mp_rank_* folders for tp={tp} pp={pp}, found {len(ranks)}")
+        raise CorruptCheckpointError(
+            f"{directory}: expected {tp * pp} mp_rank_* folders for tp={tp} pp={pp}, found {len(ranks)}"
+        )
     states = {rank: load_foreign(os.path.join(directory, folder, MODEL_FILE)) for rank, folder in ranks.items()}
     first = states[(0, 0)]
     args = first.get("args")
@@ -109,6 +111,7 @@ def read_legacy(directory: str) -> ForeignCheckpoint:
         extra={
             "checkpoint_version": first.get("checkpoint_version"),
             "num_floating_point_operations_so_far": first.get("num_floating_point_operations_so_far", 0),
+            "rng_state": {f"{t}_{p}": rng_to_safe(st.get("rng_state")) for (t, p), st in states.items()},
         },
     )
     for p in range(pp):
@@ -124,7 +127,35 @@ def read_legacy(directory: str) -> ForeignCheckpoint:
                 for key in moments[0]
             }
     ckpt.param_groups = _param_groups(first, states, offsets, distopt)
+    _drop_tied_copy(ckpt, args)
     return ckpt
+
+
+def _drop_tied_copy(ckpt: ForeignCheckpoint, args: Any) -> None:
+    """With tied embeddings and pp > 1 the last stage keeps a synced copy of the embedding: keep one."""
+    tied = not getattr(args, "untie_embeddings_and_output_weights", True)
+    copy, embed = "output_layer.weight", "embedding.word_embeddings.weight"
+    if tied and copy in ckpt.params and embed in ckpt.params:
+        if not torch.equal(ckpt.params[copy], ckpt.params[embed]):
+            raise CorruptCheckpointError(f"{ckpt.path}: tied {copy} differs from {embed}; the stages were out of sync")
+        del ckpt.params[copy], ckpt.split_dims[copy]
+        ckpt.optimizer.pop(copy, None)
+        for group in ckpt.param_groups:
+            group["param_names"] = [n for n in group["param_names"] if n != copy]
+
+
+def rng_to_safe(states: Any) -> Any:
+    """Megatron's ``rng_state`` list with numpy arrays as tensors (storable in shardpoint's common.pt)."""
+    if not isinstance(states, list):
+        return None
+    result = []
+    for state in states:
+        state = dict(state)
+        np_state = state.get("np_rng_state")
+        if isinstance(np_state, tuple) and len(np_state) > 1 and hasattr(np_state[1], "dtype"):
+            state["np_rng_state"] = (np_state[0], torch.from_numpy(np_state[1].astype("int64")), *np_state[2:])
+        result.append(state)
+    return result
 
 
 def _rank_dirs(directory: str) -> dict[tuple[int, int], str]:
@@ -192,7 +223,9 @@ def _assign_groups(where: str, model: dict[str, Any], groups: list[dict[str, Any
     return result
 
 
-def _local_optimizer(directory: str, folder: str, state: dict, args: Any, distopt: bool) -> dict[str, dict[str, torch.Tensor]]:
+def _local_optimizer(
+    directory: str, folder: str, state: dict, args: Any, distopt: bool
+) -> dict[str, dict[str, torch.Tensor]]:
     """Per local parameter name, its optimizer state on this model-parallel rank."""
     where = os.path.join(directory, folder, MODEL_FILE)
     model, opt = state["model"], state.get("optimizer")
@@ -218,7 +251,9 @@ def _local_optimizer(directory: str, folder: str, state: dict, args: Any, distop
     return result
 
 
-def buffer_layout(names: list[str], shapes: dict[str, torch.Size], bucket_size: int | None = None) -> tuple[dict[str, int], int]:
+def buffer_layout(
+    names: list[str], shapes: dict[str, torch.Size], bucket_size: int | None = None
+) -> tuple[dict[str, int], int]:
     """Offsets of parameters in a distributed optimizer's compact gathered buffer, and its length.
 
     Mirrors ``_ParamAndGradBuffer`` with ``use_distributed_optimizer``: parameters in
@@ -248,7 +283,9 @@ def _distributed_state(path: str, model: dict, opt: dict, args: Any) -> dict[str
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint was saved with the distributed optimizer")
     saved = load_foreign(path)
     if not saved.get("buckets_coalesced", False):
-        raise CheckpointError(f"{path}: per-bucket (non-coalesced) distrib_optim.pt files of older Megatron are not supported")
+        raise CheckpointError(
+            f"{path}: per-bucket (non-coalesced) distrib_optim.pt files of older Megatron are not supported"
+        )
     buffers = [v for k, v in saved.items() if isinstance(k, int)]
     if len(buffers) != 1 or len(buffers[0]) != 1:
         raise CheckpointError(f"{path}: {len(buffers)} grad buffers; only one buffer of one dtype is supported")

@@ -71,14 +71,22 @@ def repad_vocab(name: str, tensor: torch.Tensor, vocab_size: int, new_rows: int,
     if new_rows == rows:
         return tensor
     if new_rows < vocab_size:
-        raise TopologyMismatchError(f"{name}: cannot shrink {rows} rows to {new_rows}, below the vocabulary size {vocab_size}")
+        raise TopologyMismatchError(
+            f"{name}: cannot shrink {rows} rows to {new_rows}, below the vocabulary size {vocab_size}"
+        )
     if new_rows < rows:
         return tensor[:new_rows].clone()
-    fill = tensor[-1:].expand(new_rows - rows, *tensor.shape[1:]) if is_param else tensor.new_zeros(new_rows - rows, *tensor.shape[1:])
+    fill = (
+        tensor[-1:].expand(new_rows - rows, *tensor.shape[1:])
+        if is_param
+        else tensor.new_zeros(new_rows - rows, *tensor.shape[1:])
+    )
     return torch.cat([tensor, fill])
 
 
-def split_for_tp(name: str, tensor: torch.Tensor, dim: int | None, tp: int, query_groups: int | None = None) -> list[torch.Tensor]:
+def split_for_tp(
+    name: str, tensor: torch.Tensor, dim: int | None, tp: int, query_groups: int | None = None
+) -> list[torch.Tensor]:
     """``tensor`` cut into ``tp`` pieces along ``dim`` (one piece when replicated), or an error naming it."""
     if dim is None or tp == 1:
         return [tensor] * tp
