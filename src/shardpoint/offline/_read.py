@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from shardpoint import rank_local
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.formats.base import read_torch_file
 from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_reader
@@ -145,7 +146,18 @@ def _read_dist(storage: Storage, directory: str, meta: CheckpointMetadata, progr
     metadata = dcp_reader(storage, directory).read_metadata()
     tensors: dict[str, torch.Tensor] = {}
     boxes: dict[str, set[Box]] = {}
+    per_rank = sorted(k for k in metadata.state_dict_metadata if k.startswith(rank_local.PREFIX))
+    if per_rank:
+        log.warning(
+            "%s: %d per-rank tensor(s) (e.g. Adafactor's factored statistics of sharded weights) belong to the saved "
+            "layout and are not converted (load the result with strict=False to start them afresh): %s",
+            directory,
+            len(per_rank),
+            ", ".join(per_rank[:6]),
+        )
     for key, item in metadata.state_dict_metadata.items():
+        if key in per_rank:
+            continue
         if not isinstance(item, TensorStorageMetadata):
             log.warning(
                 "%s: %r is a pickled object, not a tensor; skipped (shardpoint never unpickles those)", directory, key
