@@ -219,7 +219,9 @@ def _assign_groups(where: str, model: dict[str, Any], groups: list[dict[str, Any
             )
         result.append(members)
     if any(by_wd.values()):
-        raise CheckpointError(f"{where}: parameters {sum(by_wd.values(), [])[:3]} belong to no optimizer group")
+        raise CheckpointError(
+            f"{where}: parameters {[n for names in by_wd.values() for n in names][:3]} belong to no optimizer group"
+        )
     return result
 
 

@@ -166,7 +166,8 @@ def _unstack(key: str, value: torch.Tensor, num_layers: int, local_spec: bool) -
         return [(key, value)]
     if value.dim() == 0 or value.shape[0] != num_layers:
         raise CorruptCheckpointError(
-            f"{key}: a stacked layer tensor should have {num_layers} layers in its first dim, has shape {tuple(value.shape)}"
+            f"{key}: a stacked layer tensor should have {num_layers} layers in its first dim, "
+            f"has shape {tuple(value.shape)}"
         )
     rest = _LOCAL_SPEC_NAMES.get(rest, rest) if local_spec else rest
     return [(f"{prefix}layers.{i}.{rest}", value[i].clone()) for i in range(num_layers)]
