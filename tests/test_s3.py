@@ -96,6 +96,7 @@ def test_unmarked_prefix_is_never_loaded_and_cleaned(s3_server, bucket):
     state = make_state()
     sp.Checkpointer(root).save(1, state)
     fs = s3_filesystem()
+    fs.pipe_file(f"{root.removeprefix('s3://')}/iter_0000002/.shardpoint-in-progress", b"{}")  # a save started it
     fs.pipe_file(f"{root.removeprefix('s3://')}/iter_0000002/__0_0.distcp", b"half written")
     ckpt = sp.Checkpointer(root)
     assert ckpt.load(make_state(4)).iteration == 1  # never loaded

@@ -4,7 +4,11 @@ A save goes through three states, and only the last one is ever loaded:
 
 1. **partial** — ranks write into ``.shardpoint-tmp-<name>-<token>/`` beside the
    final directory. A crash here leaves a directory no reader looks at; the next
-   Checkpointer start removes it.
+   Checkpointer start removes it. On object storage (no rename) ranks write under
+   the final prefix, after rank 0 has put an in-progress object
+   (``.shardpoint-in-progress``, naming the save) there: only prefixes holding it are
+   ever removed as leftovers, so checkpoints of other tools (Megatron-LM, GPT-NeoX)
+   in the same bucket are never touched.
 2. **committed** — rank 0 writes ``shardpoint.json`` (the marker, listing every file
    with size and checksum) into the temporary directory, fsyncs, and renames the
    directory to its final name. A directory is a checkpoint if and only if it holds
@@ -20,11 +24,13 @@ marker is what object stores (which cannot rename) rely on.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 
-from shardpoint.errors import CorruptCheckpointError
+from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.layout import LAYOUTS, RELEASE, Layout
 from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.storage import Storage
@@ -45,6 +51,7 @@ log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".shardpoint-tmp-"
 TRASH_PREFIX = ".shardpoint-trash-"
+IN_PROGRESS_NAME = ".shardpoint-in-progress"
 
 
 @dataclass(frozen=True)
@@ -73,8 +80,15 @@ def begin(storage: Storage, root: str, final_name: str) -> str:
     if not storage.supports_rename:
         final = storage.join(root, final_name)
         if storage.exists(final):
+            if not _started_by_shardpoint(storage, final):
+                raise CheckpointError(
+                    f"{final} exists and was not written by shardpoint (no {MARKER_NAME}, no {IN_PROGRESS_NAME}); "
+                    "shardpoint never overwrites another tool's checkpoint: save under another prefix"
+                )
             log.warning("replacing existing %s", final)
             storage.remove(final)
+        note = {"save": final_name, "token": secrets.token_hex(4), "started": time.time()}
+        storage.write_atomic(storage.join(final, IN_PROGRESS_NAME), json.dumps(note).encode())
         return final
     tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(4)}")
     storage.makedirs(tmp)
@@ -85,6 +99,7 @@ def publish(storage: Storage, tmp: str, final: str, meta: CheckpointMetadata) ->
     """Write the marker into ``tmp`` and move it to ``final``: the checkpoint now exists."""
     storage.write_atomic(storage.join(tmp, MARKER_NAME), meta.to_json().encode())
     storage.publish_dir(tmp, final)
+    _drop_in_progress(storage, final)
 
 
 def write_tracker(storage: Storage, root: str, layout: Layout, iteration: int | None) -> None:
@@ -152,18 +167,22 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
     """Remove what saves that died left behind (rank 0, at start-up).
 
     Temporary directories on local storage; on object storage, where data is written
-    in place, iteration prefixes that never got their marker.
+    in place, iteration prefixes that a shardpoint save started (they hold its
+    in-progress object) and that never got their marker. Anything else, such as a
+    Megatron-LM or GPT-NeoX checkpoint in the same place, is left alone.
     """
     removed = []
     for name in storage.listdir(root):
         path = storage.join(root, name)
         if name.startswith(TRASH_PREFIX) and _restore_trash(storage, root, name):
             continue
-        if name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
-            not storage.supports_rename
-            and _is_checkpoint_name(name)
-            and not storage.exists(storage.join(path, MARKER_NAME))
-        ):
+        if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            storage.remove(path)
+            removed.append(name)
+        elif not storage.supports_rename and _is_checkpoint_name(name) and _has_in_progress(storage, path):
+            if storage.exists(storage.join(path, MARKER_NAME)):
+                _drop_in_progress(storage, path)  # committed; the save died before removing its note
+                continue
             storage.remove(path)
             removed.append(name)
     if removed:
@@ -179,6 +198,19 @@ def _restore_trash(storage: Storage, root: str, name: str) -> bool:
     storage.publish_dir(storage.join(root, name), storage.join(root, final))
     log.warning("restored %s, moved aside by a save that did not finish", final)
     return True
+
+
+def _has_in_progress(storage: Storage, path: str) -> bool:
+    return storage.exists(storage.join(path, IN_PROGRESS_NAME))
+
+
+def _started_by_shardpoint(storage: Storage, path: str) -> bool:
+    return storage.exists(storage.join(path, MARKER_NAME)) or _has_in_progress(storage, path)
+
+
+def _drop_in_progress(storage: Storage, path: str) -> None:
+    if not storage.supports_rename and _has_in_progress(storage, path):
+        storage.remove(storage.join(path, IN_PROGRESS_NAME))
 
 
 def _is_checkpoint_name(name: str) -> bool:

@@ -12,6 +12,13 @@ object storage is written in place and committed by its marker, then the tracker
 (:mod:`shardpoint.commit`); unlike a local one it has no writer lock.
 
 ``--from-hf`` imports a Hugging Face model directory (local) instead (``shardpoint.demo.hf``).
+
+``--from megatron|deepspeed|auto`` imports a Megatron-LM (legacy ``torch`` or
+``torch_dist``) or DeepSpeed / GPT-NeoX checkpoint as a ``dist`` checkpoint, and
+``--to megatron --tp N --pp M [--dp D --distributed-optimizer]`` writes Megatron-LM's
+legacy format from such a source or from a shardpoint checkpoint imported from one
+(:mod:`shardpoint.foreign`). Foreign pickles are read through an allow-list; nothing
+in them runs.
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ EXAMPLES = """examples:
   shardpoint convert runs/tp1 runs/tp2 --tp 2 --split-dim '*fc1.*=0' --split-dim '*fc2.weight=1'
   shardpoint convert --from-hf ./hf-model runs/imported --tp 2 --pp 1
   shardpoint convert s3://bucket/runs/gpt runs/gpt-copy            # download a verified copy
+  shardpoint convert --from megatron /data/megatron/run runs/imported       # Megatron-LM -> dist
+  shardpoint convert --from deepspeed /data/neox/run runs/imported          # DeepSpeed / GPT-NeoX -> dist
+  shardpoint convert --to megatron runs/imported /data/run-tp1 --tp 1 --pp 1
+  shardpoint convert --from megatron --to megatron /data/run-tp2 /data/run-tp1-dp4 --tp 1 --dp 4 --distributed-optimizer
 """
 
 
@@ -68,6 +79,21 @@ def add_parser(subparsers: Any) -> None:
         "DIM 'none' means replicated; repeatable",
     )
     parser.add_argument("--from-hf", action="store_true", help="SRC is a Hugging Face model directory to import")
+    parser.add_argument(
+        "--from",
+        dest="from_tool",
+        choices=("megatron", "deepspeed", "auto"),
+        help="SRC is a Megatron-LM or DeepSpeed/GPT-NeoX checkpoint (save dir or iteration dir) to import",
+    )
+    parser.add_argument(
+        "--to", dest="to_tool", choices=("megatron",), help="write Megatron-LM's legacy torch format (needs --tp/--pp)"
+    )
+    parser.add_argument("--dp", type=_positive, metavar="D", help="data-parallel size recorded in --to megatron args")
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="--to megatron: write distrib_optim.pt (Megatron's --use-distributed-optimizer)",
+    )
     add_output_flags(parser)
     parser.set_defaults(func=run)
 
@@ -95,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
     out = Output(args)
     if args.from_hf:
         return _from_hf(out, args)
+    if args.from_tool or args.to_tool:
+        return _foreign(out, args)
+    if args.dp is not None or args.distributed_optimizer:
+        raise ValueError("--dp and --distributed-optimizer apply to --to megatron only")
     with out.progress() as progress:
         path = offline.convert(
             args.src,
@@ -139,4 +169,62 @@ def _from_hf(out: Output, args: argparse.Namespace) -> int:
     path = import_hf(args.src, args.dst, args.tp or 1, args.pp or 1, args.format or "dist")
     out.emit_json({"source": os.path.abspath(args.src), "destination": str(path) if path else args.dst})
     out.print(f"imported {args.src} into {path or args.dst}")
+    return EXIT_OK
+
+
+def _foreign(out: Output, args: argparse.Namespace) -> int:
+    """``--from`` / ``--to``: import a Megatron-LM / DeepSpeed checkpoint, or export Megatron-LM's format."""
+    from shardpoint import foreign
+    from shardpoint.foreign.exporter import export_megatron, from_shardpoint
+
+    for name in ("format", "layout", "split_dim"):
+        if getattr(args, name):
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to --from/--to")
+    source = None if args.from_tool in (None, "auto") else args.from_tool
+    if args.to_tool is None:
+        if args.tp or args.pp or args.dp or args.distributed_optimizer:
+            raise ValueError(
+                "importing keeps the source's layout (a dist checkpoint loads at any); drop --tp/--pp/--dp"
+            )
+        path = foreign.import_checkpoint(args.src, args.dst, source=source, iteration=args.iteration)
+        _, meta = offline.resolve(path)
+        out.emit_json(
+            {
+                "source": os.path.abspath(args.src),
+                "destination": path,
+                "iteration": meta.iteration,
+                "files": len(meta.files),
+                "bytes": meta.total_bytes,
+                "consumed_samples": meta.consumed_samples,
+            }
+        )
+        out.print(f"imported {args.src} into {path}: dist format, iteration {meta.iteration}, {len(meta.files)} files")
+        return EXIT_OK
+    if not args.tp or not args.pp:
+        raise ValueError("--to megatron needs --tp and --pp (and --dp with --distributed-optimizer)")
+    if args.from_tool:
+        ckpt = foreign.read_foreign(args.src, source=source, iteration=args.iteration)
+    else:
+        ckpt = from_shardpoint(args.src, args.iteration)
+    offline.refuse_writing_into_source(ckpt.path, args.dst)
+    dp = args.dp or 1
+    path = export_megatron(
+        ckpt, args.dst, tp=args.tp, pp=args.pp, dp=dp, distributed_optimizer=args.distributed_optimizer
+    )
+    out.emit_json(
+        {
+            "source": ckpt.path,
+            "destination": path,
+            "tp": args.tp,
+            "pp": args.pp,
+            "dp": dp,
+            "distributed_optimizer": args.distributed_optimizer,
+            "iteration": ckpt.iteration,
+        }
+    )
+    files = sorted(os.listdir(path))
+    out.print(
+        f"wrote Megatron-LM checkpoint {path}: tp={args.tp} pp={args.pp} dp={dp}, {len(files)} rank folders"
+        + (", distributed optimizer" if args.distributed_optimizer else "")
+    )
     return EXIT_OK

@@ -109,7 +109,7 @@ def read_foreign(
         raise CheckpointError(f"{directory} is a {kind} checkpoint, not {source}; drop --from or fix it")
     reader = {"megatron-torch": read_legacy, "megatron-torch_dist": read_torch_dist, "deepspeed": read_deepspeed}[kind]
     ckpt = reader(directory)
-    log.info("read %s: %s", directory, ckpt.describe())
+    log.debug("read %s: %s", directory, ckpt.describe())
     return ckpt
 
 
