@@ -41,6 +41,7 @@ from shardpoint.formats.base import read_torch_file, write_torch_file
 from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata
+from shardpoint.naming import Rename
 from shardpoint.policy import AnySaveDecision, BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN, PreservationPolicy
 from shardpoint.rank_local import RESHARD_POLICIES
 from shardpoint.replicas import check_replicas
@@ -525,6 +526,7 @@ class Checkpointer:
         verify: bool | None = None,
         fallback: bool = False,
         optimizer_reshard: str = "error",
+        rename: Rename = None,
     ) -> LoadResult | None:
         """Load the latest checkpoint (or ``iteration``) into ``state``; None when there is none.
 
@@ -536,6 +538,12 @@ class Checkpointer:
         at the saved layout only. At another layout ``optimizer_reshard="error"``
         (default) raises naming those states; ``"reinit"`` loads everything else and
         re-initialises them to zeros with a warning naming each one.
+
+        Keys are the model's own names whatever wraps it (see :mod:`shardpoint.naming`).
+        ``rename`` maps saved names onto current ones for checkpoints from before a
+        refactor: ``{"old.name": "new.name"}`` or a callable, applied to model names
+        (optimizer state follows its parameter); a strict load then names what is
+        still missing.
 
         Raises:
             ConfigMismatchError: the saved config differs (keys named in the message).
@@ -565,7 +573,9 @@ class Checkpointer:
         self._check_config(meta, path)
         finetune = finetune or meta.release
         fmt = get_format(meta.format)
-        ctx = FormatContext(self.storage, path, self.topology, strict=strict, optimizer_reshard=optimizer_reshard)
+        ctx = FormatContext(
+            self.storage, path, self.topology, strict=strict, optimizer_reshard=optimizer_reshard, rename=rename
+        )
         # every file some rank reads, split over all ranks (each rank's own list may differ: torch format)
         files = sorted(set().union(*_comm.all_gather(fmt.files_to_read(ctx, meta))))
         _comm.agree(lambda: verify_share(self.storage, path, meta, files, verify), "verifying checkpoint files")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shardpoint import rng
+from shardpoint import naming, rng
 from shardpoint.sharding import Shard, flatten_shards, to_shard
 
 __all__ = ["FlatState", "TrainState", "add_optimizer_state", "collect", "param_shard_index", "restore"]
@@ -135,9 +135,11 @@ def restore(
 
 
 def model_shards(model: torch.nn.Module, rank_local: dict[str, torch.Tensor] | None = None) -> dict[str, Shard]:
-    """The model's tensors under ``model.<key>``; :class:`~shardpoint.sharding.RankLocal` ones go to ``rank_local``."""
-    values = model.sharded_state_dict() if hasattr(model, "sharded_state_dict") else model.state_dict()
-    return flatten_shards(values, MODEL_PREFIX, rank_local)
+    """The model's tensors under ``model.<canonical key>`` (see :mod:`shardpoint.naming`).
+
+    :class:`~shardpoint.sharding.RankLocal` values go to ``rank_local``.
+    """
+    return flatten_shards(naming.model_state(model), MODEL_PREFIX, rank_local)
 
 
 def add_optimizer_state(flat: FlatState, optimizer: Any) -> None:

@@ -37,6 +37,7 @@ class FormatContext:
     distributed_optimizer: bool = False
     process_group: Any = None  # for DCP's collectives; a dedicated one for background saves
     optimizer_reshard: str = "error"  # per-rank state at another layout: "error" or "reinit" (see rank_local)
+    rename: Any = None  # saved key -> current key on load: a mapping or a callable (see naming)
 
 
 @dataclass

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from shardpoint import _comm, rank_local
+from shardpoint import _comm, naming, rank_local
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.integrity import HashingWriter
@@ -287,9 +287,15 @@ class DistFormat:
     def _targets(
         ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata, metadata: Metadata
     ) -> tuple[dict[str, Shard], list[str]]:
-        """DCP key -> target shard (global keys, this rank's own keys for rank-local state); re-initialised keys."""
+        """Stored DCP key -> target shard (global keys, this rank's own rank-local keys), and re-initialised keys.
+
+        Stored names are translated to current ones first (wrapper prefixes of older
+        checkpoints, ``rename``), so placement and messages use the model's names.
+        """
         rank = _comm.rank()
-        saved = metadata.state_dict_metadata
+        to_current = naming.stored_to_current(metadata.state_dict_metadata, ctx.rename, ctx.directory)
+        to_stored = {current: stored for stored, current in to_current.items()}
+        saved = {to_current.get(k, k) for k in metadata.state_dict_metadata}
         per_rank = [split for split in map(rank_local.split_key, saved) if split is not None]
         same_layout = meta.topology == ctx.topology.describe()
         plan = rank_local.resolve(
@@ -302,7 +308,7 @@ class DistFormat:
         )
         targets = dict(plan.shared)
         targets.update({rank_local.stored_key(k, rank): rank_local.whole(t) for k, t in plan.own.items()})
-        return targets, plan.reinit
+        return {to_stored.get(k, k): shard for k, shard in targets.items()}, plan.reinit
 
     def _per_rank(self, ctx: FormatContext, meta: CheckpointMetadata) -> dict[str, Any] | None:
         if meta.topology != ctx.topology.describe():

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shardpoint import _comm, rank_local
+from shardpoint import _comm, naming, rank_local
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.metadata import CheckpointMetadata, FileRecord
@@ -112,11 +112,17 @@ class TorchFormat:
         stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
 
         def fill() -> tuple[list[str], dict | None, list[str]]:
+            nonlocal stored
             pieces = (
                 read_torch_file(storage, distrib_path, mmap=True)["pieces"] if storage.exists(distrib_path) else None
             )
+            own = payload.get("rank_local") or []
+            names = naming.stored_to_current({*stored, *(pieces or {}), *(k for d in own for k in d)}, ctx.rename)
+            stored, pieces = naming.translate(names, stored), pieces and naming.translate(names, pieces)
+            payload["rank_local"] = [naming.translate(names, d) for d in own] or None
             plan = _rank_local_plan(ctx, flat, meta, payload, set(stored) | set(pieces or {}), main_path)
-            missing = _fill(plan.shared, stored, payload.get("sharding", {}), pieces, main_path)
+            boxes = naming.translate(names, payload.get("sharding", {}))
+            missing = _fill(plan.shared, stored, boxes, pieces, main_path)
             _fill_own(plan.own, payload["rank_local"][ctx.topology.dp_rank] if plan.own else {}, main_path)
             return missing, pieces, plan.reinit
 

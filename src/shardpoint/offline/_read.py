@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardpoint import rank_local
+from shardpoint import naming, rank_local
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.formats.base import read_torch_file
 from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_reader
@@ -119,6 +119,8 @@ def read_full(
         check_files(directory, meta, progress, storage=storage)
     reader = _read_dist if meta.format == "dist" else _read_torch
     tensors, common, boxes, stages = reader(storage, directory, meta, progress)
+    names = naming.stored_to_current(tensors, where=directory)  # canonical names of older checkpoints
+    tensors, boxes, stages = (naming.translate(names, d) for d in (tensors, boxes, stages))
     split_dims = infer_split_dims(tensors, boxes)
     return FullCheckpoint(tensors, common, meta, split_dims, stages, directory)
 
@@ -299,6 +301,7 @@ def describe_tensors(directory: str, meta: CheckpointMetadata, *, storage: Stora
         }
     else:
         found = _torch_boxes(storage, directory, meta)
+    found = naming.translate(naming.stored_to_current(found, where=directory), found)
     infos = []
     for key, (shape, dtype, boxes) in sorted(found.items()):
         dims = tuple(d for d in range(len(shape)) if len({o[d] for o, _ in boxes}) > 1)

@@ -1,0 +1,140 @@
+"""Checkpoint keys are the model's own names, whatever wraps the model.
+
+``torch.compile`` puts ``_orig_mod.`` into every ``state_dict`` key, DDP puts
+``module.``, FSDP1 ``_fsdp_wrapped_module.``; a checkpoint written under one wrapper
+would not load under another, or into the bare model that evaluation and export use.
+So keys are canonical when written:
+
+- a model without ``sharded_state_dict()`` is read with PyTorch's own
+  ``torch.distributed.checkpoint.state_dict.get_model_state_dict``, which returns the
+  fully qualified names without wrapper parts (the mechanism PyTorch uses for DCP);
+- a model with ``sharded_state_dict()`` names its keys itself; wrappers around it
+  are peeled first (:func:`unwrap`) so the method is found under DDP too.
+
+On load, stored keys are translated to current names (:func:`stored_to_current`):
+checkpoints written before keys were canonical (wrapper parts in their keys) are
+mapped, and ``load(rename=...)`` maps keys of a checkpoint from before a refactor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from shardpoint import _comm
+
+__all__ = ["Rename", "model_state", "stored_to_current", "translate", "unwrap"]
+
+log = logging.getLogger(__name__)
+
+Rename = Mapping[str, str] | Callable[[str], str] | None
+
+# what wrappers insert into keys; stripped only from checkpoints that hold them
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+_DDP_ROOT = "module."
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP, FSDP1, ``torch.compile`` and activation-checkpoint wrappers."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or _is_fsdp1(model):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "_checkpoint_wrapped_module", None), torch.nn.Module):
+            model = model._checkpoint_wrapped_module
+        else:
+            return model
+
+
+def model_state(model: torch.nn.Module) -> Mapping[str, Any]:
+    """The model's tensors under canonical keys (views of the live tensors, no copies)."""
+    inner = unwrap(model)
+    if hasattr(inner, "sharded_state_dict"):
+        return inner.sharded_state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
+
+
+def stored_to_current(saved: Iterable[str], rename: Rename = None, where: str = "") -> dict[str, str]:
+    """``{stored key: current key}`` for every stored key whose name changed.
+
+    Keys are full checkpoint keys (``model.<name>``, ``optimizer.state.<name>.<state>``,
+    and their rank-local copies). The mapping depends on the stored keys only, so
+    every rank computes the same one.
+    """
+    from shardpoint import rank_local
+
+    saved = list(saved)
+    model_names = [_model_name(k) for k in saved]
+    strip_ddp = (
+        bool(model_names)
+        and all(name is None or name.startswith(_DDP_ROOT) for name in model_names)
+        and any(name is not None for name in model_names)
+    )
+    rename_fn = _rename_fn(rename)
+    mapping: dict[str, str] = {}
+    legacy = 0
+    for key in saved:
+        split = rank_local.split_key(key)
+        inner = split[1] if split else key
+        renamed = _map_name(inner, lambda name: _canonical(name, strip_ddp))
+        if renamed != inner:
+            legacy += 1
+        renamed = _map_name(renamed, rename_fn)
+        if renamed != inner:
+            mapping[key] = rank_local.stored_key(renamed, split[0]) if split else renamed
+    if legacy and _comm.rank() == 0:
+        log.info(
+            "%s: %d key(s) carry wrapper prefixes (module., _orig_mod., ...) from before keys were canonical; "
+            "mapped onto the model's own names",
+            where or "checkpoint",
+            legacy,
+        )
+    return mapping
+
+
+def translate(mapping: Mapping[str, str], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with its keys renamed by ``mapping`` (keys it does not name stay)."""
+    return {mapping.get(k, k): v for k, v in values.items()}
+
+
+def _model_name(key: str) -> str | None:
+    return key[len("model.") :] if key.startswith("model.") else None
+
+
+def _map_name(key: str, fn: Callable[[str], str]) -> str:
+    """Apply ``fn`` to the parameter name inside a model or optimizer key."""
+    if key.startswith("model."):
+        return "model." + fn(key[len("model.") :])
+    if key.startswith("optimizer.state."):
+        param, _, state = key[len("optimizer.state.") :].rpartition(".")
+        return f"optimizer.state.{fn(param)}.{state}" if param else key
+    return key
+
+
+def _canonical(name: str, strip_ddp: bool) -> str:
+    if strip_ddp and name.startswith(_DDP_ROOT):
+        name = name[len(_DDP_ROOT) :]
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _rename_fn(rename: Rename) -> Callable[[str], str]:
+    if rename is None:
+        return lambda name: name
+    if callable(rename):
+        return rename
+    table = dict(rename)
+    return lambda name: table.get(name, name)
+
+
+def _is_fsdp1(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(model, FullyShardedDataParallel)
