@@ -169,6 +169,10 @@ def _new_args(ckpt: ForeignCheckpoint, tp: int, pp: int, dp: int, distopt: bool)
     if getattr(args, "inprocess_active_world_size", None) == old_world:
         args.inprocess_active_world_size = tp * pp * dp
     args.use_distributed_optimizer = distopt
+    if hasattr(args, "ckpt_format"):
+        args.ckpt_format = "torch"  # what is written here, whatever the source was (torch_dist)
+    if hasattr(args, "use_dist_ckpt"):
+        args.use_dist_ckpt = False
     if getattr(args, "vocab_size", None) and getattr(args, "make_vocab_size_divisible_by", None):
         args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
 from shardpoint.foreign._unpickle import load_dcp_metadata_foreign, load_foreign
+from shardpoint.foreign.megatron import rng_to_safe
 from shardpoint.foreign.structure import split_dim
 from shardpoint.offline._common import single_process
 
@@ -115,8 +117,14 @@ def read_torch_dist(directory: str) -> ForeignCheckpoint:
             "format, which is not supported yet; save with --dist-ckpt-optim-fully-reshardable or the legacy format"
         )
     planner = _Planner(directory)
-    with single_process():
-        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    try:
+        with single_process():
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:  # DCP wraps each rank's error; ours (unsafe object) is re-raised as is
+        error = next(iter(exc.failures.values()))[0]
+        if isinstance(error, CheckpointError):
+            raise error from None
+        raise CorruptCheckpointError(f"cannot read {directory} ({type(error).__name__}: {error})") from None
     local_spec = getattr(args, "transformer_impl", "") == "local"
     num_layers = int(getattr(args, "num_layers", 0) or 0)
     ckpt = ForeignCheckpoint(
@@ -154,9 +162,23 @@ def read_torch_dist(directory: str) -> ForeignCheckpoint:
         ckpt.optimizer[name] = entry
     if moments:
         raise CorruptCheckpointError(f"{directory}: optimizer state for unknown parameters {sorted(moments)[:3]}")
+    ckpt.extra["rng_state"] = _rng_states(planner.objects)
     ckpt.params = _model_order(ckpt.params)
     ckpt.param_groups = _groups(common, ckpt.params)
     return ckpt
+
+
+def _rng_states(objects: dict[str, Any]) -> dict[str, Any]:
+    """``rng_state/shard_<pp>.<tp>_<pp size>.<tp size>`` objects as the legacy reader's ``{"<tp>_<pp>": [...]}``."""
+    found = {}
+    for key, value in objects.items():
+        match = re.fullmatch(r"rng_state/shard_(\d+)\.(\d+)_\d+\.\d+", key)
+        if match:
+            states = value if isinstance(value, list) else [value]
+            if states and isinstance(states[0], list):  # the ShardedObject wraps the legacy list once more
+                states = states[0]
+            found[f"{int(match.group(2))}_{int(match.group(1))}"] = rng_to_safe(states)
+    return found
 
 
 def _unstack(key: str, value: torch.Tensor, num_layers: int, local_spec: bool) -> list[tuple[str, torch.Tensor]]:
