@@ -30,7 +30,7 @@ import torch
 from shardpoint import _comm, commit, faults
 from shardpoint._version import __version__
 from shardpoint.async_save import BackgroundWrite, SnapshotBuffers
-from shardpoint.discovery import find_checkpoint, verify_share
+from shardpoint.discovery import LoadSources, verify_share
 from shardpoint.errors import (
     ConfigMismatchError,
     MissingKeysError,
@@ -42,6 +42,7 @@ from shardpoint.layout import Layout, get_layout
 from shardpoint.lock import DirectoryLock
 from shardpoint.metadata import CheckpointMetadata
 from shardpoint.naming import Rename
+from shardpoint.node_local import detect as detect_nodes
 from shardpoint.policy import AnySaveDecision, BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN, PreservationPolicy
 from shardpoint.rank_local import RESHARD_POLICIES
 from shardpoint.replicas import check_replicas
@@ -50,12 +51,11 @@ from shardpoint.state import (
     MODEL_PREFIX,
     OPTIM_PREFIX,
     FlatState,
+    ParamIndex,
     TrainState,
     collect,
     load_optimizer_shards,
-    param_shard_index,
     restore,
-    storage_key,
 )
 from shardpoint.storage import Storage, as_storage_error, open_storage
 from shardpoint.topology import Topology
@@ -138,6 +138,9 @@ class Checkpointer:
         upload_to: local-first mode: after each local commit, copy the checkpoint to
             this ``s3://`` prefix in the background and move the remote tracker when the
             upload is complete (see :mod:`shardpoint.upload`).
+        node_local: whether ``path`` is a different, unshared directory on each node
+            (with ``upload_to``); None finds out with a probe file at construction
+            (see :mod:`shardpoint.node_local`).
         replica_check_interval: compare tensors that several ranks hold (declared
             replicas) by hash on the first save and every N-th save after it (1: every
             save, 0: never); a mismatch stops the save. See :mod:`shardpoint.replicas`.
@@ -170,6 +173,7 @@ class Checkpointer:
         verify: bool = True,
         thread_count: int = 1,
         upload_to: str | None = None,
+        node_local: bool | None = None,
         replica_check_interval: int = 1,
     ):
         if async_save and format != "dist":
@@ -212,10 +216,14 @@ class Checkpointer:
         self.last_saved_iteration: int | None = None
         self._last_save_time = time.time()
         self.mirror = RemoteMirror(upload_to, self.layout, self.preservation) if upload_to else None
+        self._node = detect_nodes(self.storage, self.root, self.layout, node_local, self.mirror is not None)
+        remote = (self.mirror.storage, self.mirror.root) if self.mirror else (None, None)
+        self._sources = LoadSources(self.storage, self.root, self.layout, *remote, self._node)
+        self._owns_dir = self._node.is_leader if self._node else _comm.rank() == 0  # creates, commits, cleans
         # object stores have no flock: one writer per prefix is the user's to ensure there
         self._lock = DirectoryLock(self.root) if self.storage.is_local else None
         self._cleaned = False
-        if _comm.rank() == 0 and self._lock is not None and self.storage.is_dir(self.root):
+        if self._owns_dir and self._lock is not None and self.storage.is_dir(self.root):
             self._clean_leftovers_if_unlocked()
 
     def _clean_leftovers_if_unlocked(self) -> None:
@@ -364,14 +372,17 @@ class Checkpointer:
             group,
         )
         pending.needed = replicas.deduplicated_bytes
-        tmp = _comm.broadcast(
-            _comm.agree(
-                lambda: self._begin(name, pending.needed) if rank == 0 else None,
-                "preparing the checkpoint directory",
-                group,
-            ),
-            group=group,
-        )
+        if self._node is not None:  # each node's leader creates its own
+            tmp = self._node.begin(lambda: self._begin(name, pending.needed), group)
+        else:
+            tmp = _comm.broadcast(
+                _comm.agree(
+                    lambda: self._begin(name, pending.needed) if rank == 0 else None,
+                    "preparing the checkpoint directory",
+                    group,
+                ),
+                group=group,
+            )
         pending.ctx = FormatContext(
             self.storage,
             tmp,
@@ -397,19 +408,22 @@ class Checkpointer:
             all_records = _comm.gather_to(records, 0)
             seconds = time.perf_counter() - pending.start
             meta = self._metadata(pending.iteration, all_records, pending.metrics, pending.extra, seconds)
-            _comm.agree(
-                lambda: self._commit(tmp, pending.final, meta, pending.update_tracker) if rank == 0 else None,
-                "committing the checkpoint",
-            )
+            if self._node is not None:  # node parts, no local tracker; the remote commit follows the upload
+                self._node.commit(tmp, pending.final, records, meta, self.preservation)
+            else:
+                _comm.agree(
+                    lambda: self._commit(tmp, pending.final, meta, pending.update_tracker) if rank == 0 else None,
+                    "committing the checkpoint",
+                )
         except BaseException:
-            if rank == 0 and tmp is not None:
+            if self._owns_dir and tmp is not None:
                 self.storage.remove(tmp)
             raise
-        if rank == 0:
+        if rank == 0 and self._node is None:
             apply_retention(self.storage, self.root, self.layout, self.preservation)
         self._record_timing(pending.start, meta, pending.final)
         if self.mirror is not None:
-            self.mirror.start(pending.final, list(records), pending.iteration)
+            self.mirror.start(pending.final, list(records), pending.iteration, meta.to_json().encode())
         return pending.final
 
     def _finalize(self, blocking: bool) -> None:
@@ -558,27 +572,24 @@ class Checkpointer:
         rank = _comm.rank()
         found = _comm.broadcast(
             _comm.agree(
-                lambda: (
-                    find_checkpoint(self.storage, self.root, self.layout, iteration, verify and fallback)
-                    if rank == 0
-                    else None
-                ),
+                lambda: self._sources.find(iteration, verify and fallback) if rank == 0 else None,
                 "finding the checkpoint",
             )
         )
         if found is None:
             return None
-        path, meta_json = found
+        where, path, meta_json = found
         meta = CheckpointMetadata.from_json(meta_json, path)
+        storage, path = self._sources.reader(where, path, meta, verify)  # local, remote, or node-local + remote
         self._check_config(meta, path)
         finetune = finetune or meta.release
         fmt = get_format(meta.format)
         ctx = FormatContext(
-            self.storage, path, self.topology, strict=strict, optimizer_reshard=optimizer_reshard, rename=rename
+            storage, path, self.topology, strict=strict, optimizer_reshard=optimizer_reshard, rename=rename
         )
         # every file some rank reads, split over all ranks (each rank's own list may differ: torch format)
         files = sorted(set().union(*_comm.all_gather(fmt.files_to_read(ctx, meta))))
-        _comm.agree(lambda: verify_share(self.storage, path, meta, files, verify), "verifying checkpoint files")
+        _comm.agree(lambda: verify_share(storage, path, meta, files, verify), "verifying checkpoint files")
         flat = collect(
             state,
             iteration=meta.iteration,
@@ -602,7 +613,7 @@ class Checkpointer:
             finetune,
             dict(loaded.common.get("extra", {})),
             meta,
-            self.storage,
+            storage,
         )
 
     def _check_config(self, meta: CheckpointMetadata, path: str) -> None:
@@ -636,11 +647,10 @@ def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: 
     ]
     optimizer = state.optimizer
     if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "sharded_state_dict"):
-        index = param_shard_index({k: v for k, v in flat.tensors.items() if k.startswith(MODEL_PREFIX)})
+        index = ParamIndex(state.model, {k: v for k, v in flat.tensors.items() if k.startswith(MODEL_PREFIX)})
         for group in optimizer.param_groups:
             for param in group["params"]:
-                found = index.get(storage_key(param))
-                if found is not None and found[0] in unsaved:
+                if index.lookup(param) in unsaved:
                     optimizer.state.pop(param, None)
 
 

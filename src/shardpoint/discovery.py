@@ -4,20 +4,32 @@ Rank 0 answers "what do I load?" once (tracker, ``iteration=N``, or the newest
 committed checkpoint when there is no tracker) and broadcasts the answer, so ranks
 never race a tracker that another job may be replacing. With ``fallback`` a damaged
 checkpoint is skipped for the newest one that verifies.
+
+In local-first mode (``upload_to``) there are two places to look: :class:`LoadSources`
+picks the local directory when it holds the newer committed checkpoint (a restart on
+the same nodes) and the object store otherwise (a replaced node has nothing
+locally). With node-local directories the object store's tracker alone decides, since
+no node holds a whole checkpoint, and each file is read from the node's copy where
+it can be (:mod:`shardpoint.node_view`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from shardpoint import _comm, commit
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.integrity import verify_files
 from shardpoint.layout import Layout
 from shardpoint.metadata import CheckpointMetadata
+from shardpoint.node_local import NodeLocal, PartialCheckpointError, partial_error
+from shardpoint.node_view import open_view
 from shardpoint.storage import Storage
 
-__all__ = ["find_checkpoint", "verify_share"]
+__all__ = ["LoadSources", "find_checkpoint", "verify_share"]
+
+LOCAL, REMOTE = "local", "remote"
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,9 @@ def find_checkpoint(
 def _newest_without_tracker(storage: Storage, root: str, layout: Layout) -> tuple[str, str] | None:
     entries = [e for e in commit.list_checkpoints(storage, root, layout) if e.committed]
     if not entries:
+        partial = partial_error(storage, root, layout) if storage.is_local else None
+        if partial is not None:
+            raise partial
         return None
     newest = entries[-1]
     log.warning("no tracker file under %s; loading the newest committed checkpoint %s", root, newest.name)
@@ -88,3 +103,64 @@ def verify_share(storage: Storage, path: str, meta: CheckpointMetadata, names: l
             + "; ".join(map(str, problems))
             + ". Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify` for a report"
         )
+
+
+@dataclass
+class LoadSources:
+    """Where a load looks: the save directory, and in local-first mode the object store too.
+
+    ``find`` runs on rank 0 and returns a picklable answer (``(where, directory,
+    marker text)``) that is broadcast; ``storage_for`` then runs on every rank.
+    """
+
+    local: Storage
+    local_root: str
+    layout: Layout
+    remote: Storage | None = None
+    remote_root: str | None = None
+    node: NodeLocal | None = None
+
+    def find(self, iteration: int | None, fallback: bool) -> tuple[str, str, str] | None:
+        """Rank 0: the checkpoint to load; the newer of local and remote, local on a tie."""
+        if self.remote is None:
+            found = find_checkpoint(self.local, self.local_root, self.layout, iteration, fallback)
+            return None if found is None else (LOCAL, *found)
+        local = None
+        if self.node is None:
+            try:
+                local = find_checkpoint(self.local, self.local_root, self.layout, iteration, fallback)
+            except PartialCheckpointError:
+                local = None  # another job's node-local parts: only the object store holds the whole
+            except CheckpointError as exc:
+                log.warning("%s; looking in %s", exc, self.remote_root)
+        try:
+            remote = find_checkpoint(self.remote, self.remote_root, self.layout, iteration, fallback)
+        except CheckpointError as exc:
+            if local is None:
+                raise
+            log.warning("cannot read %s (%s); loading the local checkpoint", self.remote_root, exc)
+            remote = None
+        if local is not None and (remote is None or _newer_or_equal(local[1], remote[1])):
+            return (LOCAL, *local)
+        return None if remote is None else (REMOTE, *remote)
+
+    def reader(self, where: str, path: str, meta: CheckpointMetadata, verify: bool) -> tuple[Storage, str]:
+        """Collective: the storage and directory to read the checkpoint ``find`` chose through.
+
+        In node-local mode a :class:`~shardpoint.node_view.NodeView`, which serves the
+        files this node kept from its disk and the rest from the object store.
+        """
+        if where == LOCAL:
+            return self.local, path
+        if self.node is None:
+            return self.remote, path
+        view = open_view(self.node, self.remote, path, meta, verify)
+        return view, view.root
+
+
+def _newer_or_equal(local_marker: str, remote_marker: str) -> bool:
+    local = CheckpointMetadata.from_json(local_marker, "local marker")
+    remote = CheckpointMetadata.from_json(remote_marker, "remote marker")
+    if local.release or remote.release:
+        return local.release or not remote.release
+    return local.iteration >= remote.iteration

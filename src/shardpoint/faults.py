@@ -5,7 +5,8 @@ itself with SIGKILL when its save reaches ``before-marker``. Several faults may 
 given separated by ``;``. Points, in the order a save reaches them:
 
 ``before-data``, ``mid-data``, ``after-data``, ``before-marker``, ``before-tracker``,
-``during-retention``.
+``during-retention``; and in local-first mode ``during-upload`` (each rank's background
+upload, before its first object).
 
 Actions: ``kill`` (SIGKILL, the process dies on the spot), ``raise`` (an OSError,
 as a failing disk would), ``stall`` (sleep ``seconds``, default 30). Without the
@@ -22,7 +23,15 @@ import time
 __all__ = ["POINTS", "hit"]
 
 ENV = "SHARDPOINT_FAULT"
-POINTS = ("before-data", "mid-data", "after-data", "before-marker", "before-tracker", "during-retention")
+POINTS = (
+    "before-data",
+    "mid-data",
+    "after-data",
+    "before-marker",
+    "before-tracker",
+    "during-retention",
+    "during-upload",
+)
 
 
 def hit(point: str, rank: int) -> None:

@@ -1,10 +1,12 @@
 """Local-first mode: save to local disk as usual, then copy to object storage in the background.
 
 This is GPT-NeoX's S3 upload made safe. Each rank uploads the files it wrote (so
-node-local disks work), in a background thread, never blocking training. The remote
-tracker moves only when every rank's upload is complete: at the next
-``maybe_save``/``save``/``close`` the ranks agree that all uploads are done, then
-rank 0 uploads ``shardpoint.json`` and then the tracker. A failed upload is reported
+node-local disks work, see :mod:`shardpoint.node_local`), in a background thread,
+never blocking training. The remote tracker moves only when every rank's upload is
+complete: at the next ``maybe_save``/``save``/``close`` the ranks agree that all
+uploads are done, then rank 0 uploads ``shardpoint.json`` (the marker it built from
+the records every rank sent it, never read from another rank's disk) and then the
+tracker. A failed upload is reported
 (a warning naming the error) and started again; objects already uploaded with the
 right size are skipped, so an interrupted upload resumes where it stopped.
 """
@@ -15,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardpoint import _comm, commit
+from shardpoint import _comm, commit, faults
 from shardpoint.async_save import BackgroundWrite
 from shardpoint.errors import StorageError
 from shardpoint.layout import Layout
@@ -35,6 +37,7 @@ class _Upload:
     name: str
     files: list[str]
     iteration: int | None
+    marker: bytes  # the full shardpoint.json (rank 0; other ranks may hold a partial one)
     attempts: int = 0
     writer: BackgroundWrite | None = None
 
@@ -65,10 +68,13 @@ class RemoteMirror:
     def busy(self) -> bool:
         return self._pending is not None
 
-    def start(self, local_dir: str, files: Sequence[str], iteration: int | None) -> None:
-        """Begin uploading this rank's ``files`` of the committed checkpoint ``local_dir`` (every rank)."""
+    def start(self, local_dir: str, files: Sequence[str], iteration: int | None, marker: bytes) -> None:
+        """Begin uploading this rank's ``files`` of the committed checkpoint ``local_dir`` (every rank).
+
+        ``marker`` is the checkpoint's ``shardpoint.json``; rank 0's is uploaded last.
+        """
         name = local_dir.rstrip("/").rsplit("/", 1)[-1]
-        self._pending = _Upload(local_dir, name, sorted(f for f in files if f != MARKER_NAME), iteration)
+        self._pending = _Upload(local_dir, name, sorted(f for f in files if f != MARKER_NAME), iteration, marker)
         self._launch()
 
     def _launch(self) -> None:
@@ -82,6 +88,7 @@ class RemoteMirror:
             # committed before its objects are overwritten; the new marker comes last
             self.storage.remove(self.storage.join(self.root, upload.name, MARKER_NAME))
         copied = 0
+        faults.hit("during-upload", _comm.rank())
         for name in upload.files:
             source = self.local.join(upload.local_dir, name)
             target = self.storage.join(self.root, upload.name, name)
@@ -132,8 +139,7 @@ class RemoteMirror:
 
     def _commit(self, upload: _Upload) -> None:
         """Rank 0: marker after every data object, tracker after the marker, then remote retention."""
-        marker = self.local.read_bytes(self.local.join(upload.local_dir, MARKER_NAME))
-        self.storage.write_atomic(self.storage.join(self.root, upload.name, MARKER_NAME), marker)
+        self.storage.write_atomic(self.storage.join(self.root, upload.name, MARKER_NAME), upload.marker)
         commit.write_tracker(self.storage, self.root, self.layout, upload.iteration)
         apply_retention(self.storage, self.root, self.layout, self.policies)
         log.info("uploaded %s to %s", upload.name, self.root)
