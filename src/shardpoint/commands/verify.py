@@ -7,6 +7,9 @@ list (something wrote there after the commit), a checkpoint directory without a
 marker (a save that never committed), and a tracker naming a checkpoint that does
 not exist or is not committed (a resume would fail). Leftover temporary directories
 of interrupted saves are listed but are not problems: the next start removes them.
+Nor is a leftover ``.shardpoint-in-progress`` object: a save on object storage
+writes it before its data and removes it after the marker, so a save that died in
+between leaves it beside a complete, committed checkpoint.
 
 Works on local paths and ``s3://bucket/prefix`` alike; on object storage every
 object is downloaded once to checksum it (streamed, not held in memory).
@@ -131,9 +134,14 @@ def check_checkpoint(name: str, directory: str, progress: Any = None, storage: S
 
 
 def unrecorded_files(directory: str, meta: CheckpointMetadata, storage: Storage | None = None) -> list[str]:
-    """Files under ``directory`` that ``shardpoint.json`` does not list (relative paths)."""
+    """Files under ``directory`` that ``shardpoint.json`` does not list (relative paths).
+
+    shardpoint's own ``.shardpoint-in-progress`` object is not reported: it is written
+    before the data and removed after the marker, so a save that died in between
+    leaves it beside a complete, committed checkpoint.
+    """
     storage = storage or open_storage(directory)
-    return sorted(_unknown_files(storage, directory, {*meta.files, MARKER_NAME}))
+    return sorted(_unknown_files(storage, directory, {*meta.files, MARKER_NAME, commit.IN_PROGRESS_NAME}))
 
 
 def _unknown_files(storage: Storage, directory: str, known: set[str], prefix: str = "") -> list[str]:
