@@ -45,3 +45,37 @@ def test_dtensor_round_trip_and_reshard(tmp_path):
         for full_weight, full_bias, shape in resharded:
             assert torch.equal(full_weight, weight) and torch.equal(full_bias, bias)
             assert shape == local_shape
+
+
+def _three_d(rank: int, world: int, root: str, save: bool):
+    names = ("dp_replicate", "dp_shard", "tp")
+    if not save:
+        full = torch.zeros(12, 10), torch.zeros(10)
+        model = _ThreeD(None, full)
+        sp.Checkpointer(root).load(sp.TrainState(model))
+        return model.weight.detach().clone(), model.bias.detach().clone()
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+    weight = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
+    model = _ThreeD(mesh, (weight, torch.linspace(0, 1, 10)))
+    sp.Checkpointer(root, topology=sp.Topology(1, 1, world)).save(1, sp.TrainState(model))
+    return model.weight.full_tensor(), model.bias.full_tensor()
+
+
+class _ThreeD(torch.nn.Module):
+    """HSDP over tensor parallel: replicate × shard(0) × shard(1) on a 3-D mesh; plain tensors without a mesh."""
+
+    def __init__(self, mesh, full):
+        super().__init__()
+        weight, bias = full
+        if mesh is not None:
+            weight = distribute_tensor(weight, mesh, [Replicate(), Shard(0), Shard(1)])
+            bias = distribute_tensor(bias, mesh, [Replicate(), Replicate(), Shard(0)])
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = torch.nn.Parameter(bias)
+
+
+def test_three_dimensional_mesh_saves_and_loads_in_one_process(tmp_path):
+    root = str(tmp_path / "run")
+    weight, bias = launch(_three_d, 8, root, True)[0]
+    loaded_weight, loaded_bias = launch(_three_d, 1, root, False)[0]
+    assert torch.equal(loaded_weight, weight) and torch.equal(loaded_bias, bias)

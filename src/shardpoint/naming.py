@@ -26,7 +26,7 @@ import torch
 
 from shardpoint import _comm
 
-__all__ = ["Rename", "model_state", "stored_to_current", "translate", "unwrap"]
+__all__ = ["Rename", "model_state", "parameter_names", "stored_to_current", "translate", "unwrap"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,21 @@ def model_state(model: torch.nn.Module) -> Mapping[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model)
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``{id(parameter): canonical name}``, by PyTorch's own FQN rules (DCP's ``_get_fqns``).
+
+    Optimizers hold the parameter objects themselves, so identity is how their state is
+    matched to a name; a wrapper tensor (DTensor) has no storage of its own to compare.
+    """
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        fqns = _get_fqns(model, name)
+        names.setdefault(id(param), next(iter(fqns)) if len(fqns) == 1 else name)
+    return names
 
 
 def stored_to_current(saved: Iterable[str], rename: Rename = None, where: str = "") -> dict[str, str]:

@@ -193,6 +193,11 @@ def copy_overlap(dst: Shard, src_tensor: torch.Tensor, src_offset: Sequence[int]
     return dst_view.numel()
 
 
+def is_dtensor(value: Any) -> bool:
+    cls = _dtensor_class()
+    return cls is not None and isinstance(value, cls)
+
+
 def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from shardpoint import naming, rng
-from shardpoint.sharding import Shard, flatten_shards, to_shard
+from shardpoint.sharding import Shard, flatten_shards, is_dtensor, to_shard
 
-__all__ = ["FlatState", "TrainState", "add_optimizer_state", "collect", "param_shard_index", "restore"]
+__all__ = ["FlatState", "ParamIndex", "TrainState", "add_optimizer_state", "collect", "param_shard_index", "restore"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,11 @@ class TrainState:
         grad_scaler: a ``torch.amp.GradScaler`` or similar.
         generators: extra ``torch.Generator`` objects (e.g. Megatron's model-parallel
             RNG tracker) whose states are saved per rank.
+        stateful: further objects with ``state_dict()``/``load_state_dict()`` whose
+            state belongs to this rank (torchtitan's way): a ``torchdata``
+            ``StatefulDataLoader``, a data sampler. Saved per rank beside the RNG
+            streams and restored at the same layout only (a warning says so otherwise).
+            Their state dicts hold plain values and tensors (loading never unpickles objects).
         extra: JSON-like training progress, e.g. ``{"consumed_samples": 1024}``;
             ``consumed_samples`` and ``flops`` are also recorded in ``shardpoint.json``.
     """
@@ -55,6 +60,7 @@ class TrainState:
     grad_scaler: Any = None
     generators: dict[str, torch.Generator] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    stateful: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,13 +102,15 @@ def collect(
     """Flatten ``state`` into global-key shards (views of the live tensors, no copies)."""
     common: dict[str, Any] = {"iteration": iteration, "extra": dict(state.extra)}
     per_rank = {"rng": rng.capture(state.generators)} if include_rng else {}
+    if include_rng and state.stateful:
+        per_rank["stateful"] = {name: obj.state_dict() for name, obj in state.stateful.items()}
     flat = FlatState({}, common, per_rank)
     if state.model is not None:
         flat.tensors = model_shards(state.model, flat.rank_local)
     if include_optimizer and state.optimizer is not None:
         if init_optimizer:
             _ensure_optimizer_state(state.optimizer)
-        add_optimizer_state(flat, state.optimizer)
+        add_optimizer_state(flat, state.optimizer, state.model)
         common["optimizer_param_groups"] = _param_groups(state.optimizer)
         common["distributed_optimizer"] = hasattr(state.optimizer, "sharded_state_dict")
     if include_optimizer and state.scheduler is not None:
@@ -130,8 +138,18 @@ def restore(
         state.scheduler.load_state_dict(common["scheduler"])
     if "grad_scaler" in common and state.grad_scaler is not None:
         state.grad_scaler.load_state_dict(common["grad_scaler"])
-    if per_rank and "rng" in per_rank:
+    if per_rank and per_rank.get("rng") is not None:
         rng.restore(per_rank["rng"], state.generators)
+    if per_rank:
+        _restore_stateful(state.stateful, per_rank.get("stateful") or {})
+
+
+def _restore_stateful(objects: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    for name, obj in objects.items():
+        if name in saved:
+            obj.load_state_dict(saved[name])
+        else:
+            log.warning("TrainState.stateful[%r] has no saved state in this checkpoint; it starts afresh", name)
 
 
 def model_shards(model: torch.nn.Module, rank_local: dict[str, torch.Tensor] | None = None) -> dict[str, Shard]:
@@ -142,11 +160,12 @@ def model_shards(model: torch.nn.Module, rank_local: dict[str, torch.Tensor] | N
     return flatten_shards(naming.model_state(model), MODEL_PREFIX, rank_local)
 
 
-def add_optimizer_state(flat: FlatState, optimizer: Any) -> None:
+def add_optimizer_state(flat: FlatState, optimizer: Any, model: torch.nn.Module | None = None) -> None:
     """Add per-parameter optimizer state to ``flat``, placed by how it relates to its parameter.
 
     - elementwise state (Adam's moments: the parameter's shape) takes the parameter's
-      box in the global tensor, so it reshards with it;
+      box in the global tensor, so it reshards with it; a ``DTensor`` moment is
+      converted like any ``DTensor``, by its own placements;
     - scalars (``step``) and any state of a whole (unsharded) parameter mean the same
       thing at every layout: stored once when all ranks holding them agree, per rank
       otherwise (``flat.shared_if_equal``);
@@ -159,24 +178,56 @@ def add_optimizer_state(flat: FlatState, optimizer: Any) -> None:
     if hasattr(optimizer, "sharded_state_dict"):
         flat.tensors.update(flatten_shards(optimizer.sharded_state_dict(flat.tensors), OPTIM_PREFIX))
         return
-    by_storage = param_shard_index(flat.tensors)
+    params = ParamIndex(model, flat.tensors)
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param not in optimizer.state or not optimizer.state[param]:
                 continue
-            param_key, param_shard = find_param(by_storage, param)
+            param_key, param_shard = params.find(param)
             for name, value in optimizer.state[param].items():
                 key = f"{OPTIM_PREFIX}{param_key}.{name}"
                 if not isinstance(value, torch.Tensor):
                     value = torch.tensor(value)
                     optimizer.state[param][name] = value
-                if value.shape == param.shape:
+                if is_dtensor(value) and value.dim() > 0:
+                    flat.tensors[key] = to_shard(value, key)
+                elif value.shape == param_shard.tensor.shape:
                     flat.tensors[key] = param_shard.like(value)
                 elif value.dim() == 0 or param_shard.is_full:
                     flat.tensors[key] = to_shard(value, key)
                     flat.shared_if_equal.add(key)
                 else:
                     flat.rank_local[key] = value
+
+
+class ParamIndex:
+    """Finds the model key and shard of an optimizer's parameter.
+
+    A model read through ``get_model_state_dict`` (no ``sharded_state_dict()``) names
+    its parameters itself, so they are matched by identity. A ``sharded_state_dict()``
+    chooses its own keys, so there a parameter is found by the storage its shard views
+    (the local tensor of a ``DTensor``).
+    """
+
+    def __init__(self, model: torch.nn.Module | None, model_tensors: Mapping[str, Shard]):
+        self.tensors = model_tensors
+        self.by_id: dict[int, str] = {}
+        if model is not None and not hasattr(naming.unwrap(model), "sharded_state_dict"):
+            self.by_id = naming.parameter_names(model)
+        self.by_storage = param_shard_index(model_tensors)
+
+    def find(self, param: torch.Tensor) -> tuple[str, Shard]:
+        """``(key without "model.", Shard)`` of ``param``; KeyError naming its shape when absent."""
+        name = self.by_id.get(id(param))
+        if name is not None and MODEL_PREFIX + name in self.tensors:
+            return name, self.tensors[MODEL_PREFIX + name]
+        return find_param(self.by_storage, param)
+
+    def lookup(self, param: torch.Tensor) -> str | None:
+        try:
+            return self.find(param)[0]
+        except KeyError:
+            return None
 
 
 def load_optimizer_shards(optimizer: Any, loaded: Mapping[str, Shard]) -> None:
@@ -203,6 +254,8 @@ def _restore_param_groups(optimizer: Any, saved: list[dict[str, Any]]) -> None:
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    if is_dtensor(tensor):
+        tensor = tensor._local_tensor
     return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
 
 

@@ -81,6 +81,29 @@ class Topology:
         topo._groups.update({"tp": tp_group, "pp": pp_group, "dp": dp_group})
         return topo
 
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> Topology:
+        """The topology of a named ``DeviceMesh`` (FSDP2 / DTensor jobs), e.g. names ``("dp", "tp")``.
+
+        ``tp`` and ``pp`` are read by name; the one remaining dimension (``dp``,
+        ``fsdp``, ``dp_shard``, ...) is data parallel. torchtitan-style meshes with
+        several data-parallel dimensions flatten them into one first (as torchtitan
+        does for its ``dp`` mesh).
+        """
+        names = tuple(mesh.mesh_dim_names or ())
+        if len(names) != mesh.ndim:
+            raise ValueError("Topology.from_mesh needs a mesh with mesh_dim_names, e.g. ('dp', 'tp')")
+        data = [n for n in names if n not in ("tp", "pp")]
+        if len(data) > 1:
+            raise ValueError(
+                f"mesh dimensions {data} are all data parallel; flatten them into one "
+                f"(mesh[{tuple(data)!r}]._flatten('dp')) and pass a mesh with one data-parallel dimension"
+            )
+        groups = {role: mesh.get_group(name) for role, name in (("tp", "tp"), ("pp", "pp")) if name in names}
+        if data:
+            groups["dp"] = mesh.get_group(data[0])
+        return cls.from_groups(tp_group=groups.get("tp"), pp_group=groups.get("pp"), dp_group=groups.get("dp"))
+
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size * self.dp_size

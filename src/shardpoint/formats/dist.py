@@ -19,6 +19,7 @@ rank, restored only at the same layout.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import warnings
@@ -84,7 +85,13 @@ class ShardSavePlanner(DefaultSavePlanner):
         self.shards = shards
 
     def create_local_plan(self) -> SavePlan:
-        items = [_write_item(key, shard) for key, shard in self.shards.items()]
+        # an empty local piece (uneven FSDP shards) has no box to write; DCP would
+        # deduplicate it against a real piece at the same offset and drop that one
+        items = [
+            _write_item(key, shard)
+            for key, shard in self.shards.items()
+            if shard.tensor.numel() > 0 or math.prod(shard.global_shape) == 0
+        ]
         self.plan = SavePlan(items)
         return self.plan
 
@@ -314,8 +321,9 @@ class DistFormat:
         if meta.topology != ctx.topology.describe():
             if _comm.rank() == 0:
                 log.warning(
-                    "checkpoint was saved at tp=%(tp)s pp=%(pp)s dp=%(dp)s; per-rank RNG streams are not restored "
-                    "at a different layout (ranks no longer correspond), so dropout masks will differ",
+                    "checkpoint was saved at tp=%(tp)s pp=%(pp)s dp=%(dp)s; per-rank RNG streams and "
+                    "TrainState.stateful objects (data loaders, samplers) are not restored at a different layout "
+                    "(ranks no longer correspond): dropout masks differ and data loaders start afresh",
                     meta.topology,
                 )
             return None

@@ -3,7 +3,7 @@
 ::
 
     iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   # written by data-parallel rank 0
-    iter_0000100/mp_rank_TT[_PPP]/distrib_optim.pt     # a distributed optimizer's state, gathered over dp
+    iter_0000100/mp_rank_TT[_PPP]/distrib_optim.pt     # state split over dp (ZeRO, FSDP), gathered over dp
 
 ``model_optim_rng.pt`` holds what Megatron's does (checkpoint version, iteration,
 model, optimizer, scheduler, RNG of every dp rank, FLOPs so far) with two
@@ -50,14 +50,16 @@ class TorchFormat:
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         topo = ctx.topology
         folder = topo.mp_rank_name
-        dp_sharded = {k: s for k, s in flat.tensors.items() if ctx.distributed_optimizer and k.startswith(OPTIM_PREFIX)}
+        split = _split_over_dp(topo, flat, ctx.distributed_optimizer)
+        dp_sharded = {k: s for k, s in flat.tensors.items() if k in split}
         plain = {k: s for k, s in flat.tensors.items() if k not in dp_sharded}
         own = {k: _compact(t) for k, t in flat.rank_local.items()}
-        per_dp_rank = self._gather_over_dp(topo, (flat.per_rank.get("rng"), own))
+        per_dp_rank = self._gather_over_dp(topo, (flat.per_rank, own))
         pieces = self._gather_over_dp(topo, _pieces(dp_sharded)) if dp_sharded else None
         if topo.dp_rank != 0:
             return {}
-        rng_states = [rng for rng, _ in per_dp_rank]
+        rng_states = [per_rank.get("rng") for per_rank, _ in per_dp_rank]
+        stateful = [per_rank.get("stateful") for per_rank, _ in per_dp_rank]
         rank_local_states = [own for _, own in per_dp_rank]
         storage = ctx.storage
         storage.makedirs(storage.join(ctx.directory, folder))
@@ -73,6 +75,7 @@ class TorchFormat:
             "common": flat.common,
             "rng_state": rng_states if flat.per_rank else None,
             "rank_local": rank_local_states if any(rank_local_states) else None,
+            "stateful": stateful if any(stateful) else None,
             "num_floating_point_operations_so_far": flat.common.get("extra", {}).get("flops", 0),
             "config_json": json.dumps(flat.common.get("config", {})),
             "topology": topo.describe(),
@@ -132,8 +135,22 @@ class TorchFormat:
         missing = sorted(set().union(*_comm.all_gather(missing)))
         wanted = set().union(*_comm.all_gather(sorted(set(flat.tensors) | set(flat.rank_local))))
         saved_keys = set().union(*_comm.all_gather(sorted(set(stored) | set(pieces or {}))))
-        per_rank = _per_rank(payload.get("rng_state"), meta, ctx)
+        per_rank = _per_rank(payload.get("rng_state"), payload.get("stateful"), meta, ctx)
         return Loaded(payload["common"], per_rank, missing, unexpected_keys(saved_keys, wanted))
+
+
+def _split_over_dp(topo: Topology, flat: FlatState, distributed_optimizer: bool) -> set[str]:
+    """Keys whose data-parallel ranks hold different boxes (ZeRO, FSDP), so dp rank 0 alone cannot write them.
+
+    They are gathered over dp into ``distrib_optim.pt`` as pieces. Collective over the
+    dp group; every dp rank gets the same answer.
+    """
+    split = {k for k in flat.tensors if distributed_optimizer and k.startswith(OPTIM_PREFIX)}
+    if topo.dp_size == 1:
+        return split
+    boxes = _comm.all_gather({k: s.global_offset for k, s in flat.tensors.items()}, topo.dp_group())
+    keys = set().union(*boxes)
+    return split | {k for k in keys if len({b.get(k) for b in boxes}) > 1}
 
 
 def _check_layout(ctx: FormatContext, meta: CheckpointMetadata) -> None:
@@ -190,17 +207,21 @@ def _fill(
     return missing
 
 
-def _per_rank(rng_states: list | None, meta: CheckpointMetadata, ctx: FormatContext) -> dict[str, Any] | None:
-    if not rng_states:
+def _per_rank(
+    rng_states: list | None, stateful: list | None, meta: CheckpointMetadata, ctx: FormatContext
+) -> dict[str, Any] | None:
+    if not rng_states and not stateful:
         return None
     if meta.topology["dp"] != ctx.topology.dp_size:
         log.warning(
-            "checkpoint saved at dp=%d, running dp=%d: per-rank RNG streams not restored",
+            "checkpoint saved at dp=%d, running dp=%d: per-rank RNG streams and TrainState.stateful objects "
+            "(data loaders, samplers) are not restored",
             meta.topology["dp"],
             ctx.topology.dp_size,
         )
         return None
-    return {"rng": rng_states[ctx.topology.dp_rank]}
+    dp_rank = ctx.topology.dp_rank
+    return {"rng": rng_states[dp_rank] if rng_states else None, "stateful": stateful[dp_rank] if stateful else None}
 
 
 def _pieces(shards: dict[str, Shard]) -> dict[str, list[dict[str, Any]]]:
