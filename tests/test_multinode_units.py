@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.node_local import NODE_MARKER, _check_partition, probe_domains
+from shardpoint.node_local import NODE_MARKER, NodeLocalError, _check_partition, probe_domains
 from shardpoint.s3 import s3_filesystem
 from shardpoint.storage import LocalStorage
 from tests import toy
@@ -33,18 +33,24 @@ def test_probe_groups_ranks_by_directory(tmp_path):
 
 
 def test_inconsistent_visibility_and_missing_remote_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="inconsistently"):
+    with pytest.raises(NodeLocalError, match="inconsistently"):
         _check_partition([(0, 1), (1,)], str(tmp_path))
     with pytest.raises(ValueError, match="needs upload_to"):
         sp.Checkpointer(tmp_path / "run", node_local=True)
 
 
-def _train(rank: int, world: int, base: str, remote: str, steps: int):
+def _train(rank: int, world: int, base: str, remote: str, steps: int, fmt: str):
     topo = sp.Topology(2, 1, 2)
     toy.seed_rng(topo, seed=7)
     state = toy.build(topo)
     ckpt = sp.Checkpointer(
-        f"{base}/node{rank // 2}", topology=topo, upload_to=remote, save_interval=2, keep_last=1, async_save=True
+        f"{base}/node{rank // 2}",
+        topology=topo,
+        format=fmt,
+        upload_to=remote,
+        save_interval=2,
+        keep_last=1,
+        async_save=fmt == "dist",
     )
     result = ckpt.load(state)
     loaded = None
@@ -57,9 +63,11 @@ def _train(rank: int, world: int, base: str, remote: str, steps: int):
     return {"loaded": loaded, "final": toy.snapshot(state), "node": ckpt._node.ranks}
 
 
-def test_async_saves_and_retention_with_node_local_dirs(s3_server, bucket, tmp_path):
+@pytest.mark.parametrize("fmt", ["dist", "torch"])
+def test_node_parts_retention_restart(s3_server, bucket, tmp_path, fmt):
+    """dist (async saves) and torch format: node parts, retention on each node and remotely, exact restart."""
     remote = f"{bucket}/run"
-    saved = launch(_train, 4, str(tmp_path), remote, 4, env=s3_server.env)
+    saved = launch(_train, 4, str(tmp_path), remote, 4, fmt, env=s3_server.env)
     assert [r["node"] for r in saved] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     for node in ("node0", "node1"):  # keep_last=1 applies to each node's parts and to the object store
         assert sorted(p.name for p in (tmp_path / node).iterdir() if not p.name.startswith(".")) == ["iter_0000004"]
@@ -70,10 +78,11 @@ def test_async_saves_and_retention_with_node_local_dirs(s3_server, bucket, tmp_p
         "latest_checkpointed_iteration.txt",
     ]
     shutil.rmtree(tmp_path / "node1")
-    resumed = launch(_train, 4, str(tmp_path), remote, 4, env=s3_server.env)
+    resumed = launch(_train, 4, str(tmp_path), remote, 4, fmt, env=s3_server.env)
     for rank, (before, after) in enumerate(zip(saved, resumed)):
         assert after["loaded"]["iteration"] == 4
-        assert (after["loaded"]["opened"]["local"] > 0) == (rank < 2)
+        # torch format: mp ranks' files are written by dp rank 0, all on node 0
+        assert (after["loaded"]["opened"]["local"] > 0) == (rank < 2), after["loaded"]["opened"]
         for key, (_, _, tensor) in before["final"]["tensors"].items():
             assert torch.equal(after["loaded"]["state"]["tensors"][key][2], tensor), key
         assert torch.equal(before["final"]["rng"], after["loaded"]["state"]["rng"])

@@ -423,7 +423,8 @@ class Checkpointer:
             apply_retention(self.storage, self.root, self.layout, self.preservation)
         self._record_timing(pending.start, meta, pending.final)
         if self.mirror is not None:
-            self.mirror.start(pending.final, list(records), pending.iteration, meta.to_json().encode())
+            marker = meta.to_json().encode()
+            self.mirror.start(pending.final, list(records), pending.iteration, marker, pending.update_tracker)
         return pending.final
 
     def _finalize(self, blocking: bool) -> None:

@@ -50,7 +50,15 @@ from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.policy import CheckpointInfo, PreservationPolicy, select_for_deletion
 from shardpoint.storage import Storage
 
-__all__ = ["NODE_MARKER", "NodeLocal", "NodeMarker", "PartialCheckpointError", "detect", "probe_domains"]
+__all__ = [
+    "NODE_MARKER",
+    "NodeLocal",
+    "NodeLocalError",
+    "NodeMarker",
+    "PartialCheckpointError",
+    "detect",
+    "probe_domains",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,10 @@ PROBE_PREFIX = ".shardpoint-probe-"
 
 class PartialCheckpointError(CheckpointError):
     """A directory holds one node's part of a checkpoint, not a whole checkpoint."""
+
+
+class NodeLocalError(CheckpointError):
+    """The ranks' local directories are neither all shared nor split into nodes cleanly."""
 
 
 @dataclass(frozen=True)
@@ -135,9 +147,7 @@ def probe_domains(storage: Storage, root: str) -> list[tuple[int, ...]]:
     return domains
 
 
-def detect(
-    storage: Storage, root: str, layout: Layout, node_local: bool | None, has_remote: bool
-) -> NodeLocal | None:
+def detect(storage: Storage, root: str, layout: Layout, node_local: bool | None, has_remote: bool) -> NodeLocal | None:
     """A :class:`NodeLocal` when ranks do not share ``root``, else None (the shared-directory protocol).
 
     Collective when there is a remote, several ranks and ``node_local`` is not False:
@@ -165,7 +175,7 @@ def detect(
 def _check_partition(domains: Sequence[tuple[int, ...]], root: str) -> None:
     for rank, domain in enumerate(domains):
         if rank not in domain or any(domains[other] != domain for other in domain):
-            raise ValueError(
+            raise NodeLocalError(
                 f"ranks see each other's files under {root} inconsistently (rank {rank} sees {list(domain)}); "
                 "give every node one directory that all its ranks share, or pass node_local=False for a shared one"
             )

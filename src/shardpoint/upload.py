@@ -38,6 +38,7 @@ class _Upload:
     files: list[str]
     iteration: int | None
     marker: bytes  # the full shardpoint.json (rank 0; other ranks may hold a partial one)
+    update_tracker: bool = True
     attempts: int = 0
     writer: BackgroundWrite | None = None
 
@@ -68,13 +69,17 @@ class RemoteMirror:
     def busy(self) -> bool:
         return self._pending is not None
 
-    def start(self, local_dir: str, files: Sequence[str], iteration: int | None, marker: bytes) -> None:
+    def start(
+        self, local_dir: str, files: Sequence[str], iteration: int | None, marker: bytes, update_tracker: bool = True
+    ) -> None:
         """Begin uploading this rank's ``files`` of the committed checkpoint ``local_dir`` (every rank).
 
-        ``marker`` is the checkpoint's ``shardpoint.json``; rank 0's is uploaded last.
+        ``marker`` is the checkpoint's ``shardpoint.json``; rank 0's is uploaded after
+        every rank's files, then the tracker (unless ``update_tracker`` is False).
         """
         name = local_dir.rstrip("/").rsplit("/", 1)[-1]
-        self._pending = _Upload(local_dir, name, sorted(f for f in files if f != MARKER_NAME), iteration, marker)
+        files = sorted(f for f in files if f != MARKER_NAME)
+        self._pending = _Upload(local_dir, name, files, iteration, marker, update_tracker)
         self._launch()
 
     def _launch(self) -> None:
@@ -140,7 +145,8 @@ class RemoteMirror:
     def _commit(self, upload: _Upload) -> None:
         """Rank 0: marker after every data object, tracker after the marker, then remote retention."""
         self.storage.write_atomic(self.storage.join(self.root, upload.name, MARKER_NAME), upload.marker)
-        commit.write_tracker(self.storage, self.root, self.layout, upload.iteration)
+        if upload.update_tracker:
+            commit.write_tracker(self.storage, self.root, self.layout, upload.iteration)
         apply_retention(self.storage, self.root, self.layout, self.policies)
         log.info("uploaded %s to %s", upload.name, self.root)
 
