@@ -4,7 +4,12 @@
   keys without the ``model.`` prefix, for any tool that reads safetensors.
 * ``--to release``: a Megatron *release* checkpoint (weights only, ``release/`` and a
   tracker saying ``release``), which ``Checkpointer.load`` loads in finetune mode.
-* ``--to hf``: a Hugging Face model directory, via ``shardpoint.demo.hf.export_hf``.
+* ``--to hf``: a Hugging Face ``GPT2LMHeadModel`` directory. From a Megatron-LM
+  checkpoint (legacy ``torch`` or ``torch_dist``, read in place) or a shardpoint
+  checkpoint imported from one (``convert --from megatron``), via
+  :func:`shardpoint.foreign.hf.export_hf`: GPT-2-like models only, anything else is
+  refused naming the features GPT-2 lacks. From a demo GPT run, via
+  ``shardpoint.demo.hf.export_hf``.
 
 SRC may be local or ``s3://bucket/prefix``. A release checkpoint may be written to
 either too; safetensors files and Hugging Face directories are written locally only.
@@ -21,16 +26,20 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardpoint import offline
 from shardpoint.commands._hf import hf_function
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes
+from shardpoint.commands.inspect import read_common
 from shardpoint.errors import CheckpointError
 from shardpoint.state import MODEL_PREFIX
 from shardpoint.storage import open_storage
+
+if TYPE_CHECKING:
+    from shardpoint.foreign import ForeignCheckpoint
 
 __all__ = ["DTYPES", "add_parser", "model_tensors", "run", "write_safetensors"]
 
@@ -41,6 +50,7 @@ EXAMPLES = """examples:
   shardpoint export runs/gpt --to safetensors model.safetensors --dtype bf16
   shardpoint export runs/gpt --to release runs/gpt-release --iteration 200
   shardpoint export runs/gpt --to hf ./hf-model
+  shardpoint export /data/megatron/gpt2-run --to hf ./hf-model      # Megatron-LM, read in place
   shardpoint export s3://bucket/runs/gpt --to safetensors ./model.safetensors
 """
 
@@ -63,6 +73,13 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--iteration", type=int, metavar="N", help="which checkpoint of SRC (default: the tracker's)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as saved)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        help="hf from Megatron-LM: the tokenizer's vocabulary size when the args do not record it "
+        "(embedding rows past it are Megatron's padding and are dropped)",
+    )
     add_output_flags(parser)
     parser.set_defaults(func=run)
 
@@ -75,7 +92,14 @@ def run(args: argparse.Namespace) -> int:
             f"--to {args.to} writes a local {'file' if args.to == 'safetensors' else 'directory'}; "
             f"OUT must be a local path, got {args.out}"
         )
+    if args.vocab_size is not None and args.to != "hf":
+        raise ValueError("--vocab-size applies to --to hf only")
     if args.to == "hf":
+        megatron = _megatron_source(args.src, args.iteration)
+        if megatron is not None:
+            return _megatron_hf(out, args, megatron)
+        if args.vocab_size is not None:
+            raise ValueError("--vocab-size applies to Megatron-LM sources only; the demo GPT records its vocabulary")
         export_hf = hf_function("export_hf")
         written = export_hf(args.src, args.out, args.iteration, args.dtype)
         source = open_storage(args.src).root
@@ -101,6 +125,57 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     out.print(f"exported {len(tensors)} tensors ({human_bytes(size)}) from {full.path} to {written}")
+    return EXIT_OK
+
+
+def _megatron_source(src: str, iteration: int | None) -> ForeignCheckpoint | None:
+    """The Megatron-LM model ``src`` holds (read in place, or imported by shardpoint), or None."""
+    from shardpoint import foreign
+    from shardpoint.foreign.exporter import from_shardpoint
+
+    directory = foreign.find_foreign(src, iteration)
+    if directory is not None:
+        return foreign.read_foreign(directory)
+    try:
+        path, meta = offline.resolve(src, iteration)
+    except CheckpointError:
+        return None  # the demo bridge says what is wrong with it, in its own words
+    tool = (read_common(path, meta).get("foreign") or {}).get("tool")
+    if tool == "megatron":
+        return from_shardpoint(path)
+    if tool is not None:
+        raise CheckpointError(f"{path} was imported from {tool}; --to hf maps Megatron-LM GPT models only")
+    return None
+
+
+def _megatron_hf(out: Output, args: argparse.Namespace, ckpt: ForeignCheckpoint) -> int:
+    from shardpoint.foreign.hf import export_hf
+
+    written = export_hf(ckpt, args.out, dtype=DTYPES.get(args.dtype), vocab_size=args.vocab_size)
+    with open(os.path.join(written, "config.json")) as f:
+        config = json.load(f)
+    rows = ckpt.params["embedding.word_embeddings.weight"].shape[0]
+    out.emit_json(
+        {
+            "to": "hf",
+            "source": ckpt.path,
+            "destination": written,
+            "tool": ckpt.tool,
+            "format": ckpt.format,
+            "iteration": ckpt.iteration,
+            "layers": config["n_layer"],
+            "vocab_size": config["vocab_size"],
+            "padding_rows_dropped": rows - config["vocab_size"],
+            "activation_function": config["activation_function"],
+            "tie_word_embeddings": config["tie_word_embeddings"],
+            "dtype": config["torch_dtype"],
+        }
+    )
+    out.print(
+        f"exported Megatron-LM {ckpt.format} checkpoint {ckpt.path} (iteration {ckpt.iteration}) to {written} "
+        f"(Hugging Face GPT2LMHeadModel: {config['n_layer']} layers, vocabulary {config['vocab_size']}, "
+        f"{config['activation_function']})"
+    )
     return EXIT_OK
 
 

@@ -4,15 +4,26 @@
   DeepSpeed / GPT-NeoX (ZeRO-1/2, pipeline) checkpoint into full global tensors with
   their optimizer state, never unpickling code (:mod:`._unpickle`).
 * :func:`import_checkpoint` writes it as a shardpoint ``dist`` checkpoint.
+* :func:`find_foreign` tells another tool's checkpoint from shardpoint's own.
 * :func:`export_megatron` writes Megatron-LM's legacy format at a new tp/pp (and dp
   with the distributed optimizer), from either kind of source.
+* :func:`shardpoint.foreign.hf.export_hf` writes a GPT-2-like Megatron GPT as a
+  Hugging Face ``GPT2LMHeadModel`` directory.
 
 Modules: ``_unpickle`` (allow-list loading), ``_types``, ``structure`` (split dims,
 QKV, GLU, vocab padding), ``megatron``, ``megatron_torch_dist``, ``deepspeed``,
-``importer``, ``exporter``.
+``importer``, ``exporter``, ``hf``.
 """
 
 from shardpoint.foreign._types import ForeignCheckpoint
-from shardpoint.foreign.importer import detect, import_checkpoint, locate, read_foreign, to_shardpoint
+from shardpoint.foreign.importer import detect, find_foreign, import_checkpoint, locate, read_foreign, to_shardpoint
 
-__all__ = ["ForeignCheckpoint", "detect", "import_checkpoint", "locate", "read_foreign", "to_shardpoint"]
+__all__ = [
+    "ForeignCheckpoint",
+    "detect",
+    "find_foreign",
+    "import_checkpoint",
+    "locate",
+    "read_foreign",
+    "to_shardpoint",
+]

@@ -39,7 +39,7 @@ from shardpoint.offline import refuse_writing_into_source, write_checkpoint
 from shardpoint.offline._common import ProgressFn
 from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX
 
-__all__ = ["detect", "import_checkpoint", "locate", "read_foreign", "to_shardpoint"]
+__all__ = ["detect", "find_foreign", "import_checkpoint", "locate", "read_foreign", "to_shardpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,30 @@ def locate(path: str | os.PathLike[str], iteration: int | None = None) -> str:
         f"{path} is neither a Megatron-LM / DeepSpeed checkpoint directory nor a save directory with "
         f"{MEGATRON_TRACKER} or {DEEPSPEED_TRACKER}; pass the iteration directory"
     )
+
+
+def find_foreign(path: str | os.PathLike[str], iteration: int | None = None) -> str | None:
+    """The iteration directory of another tool's checkpoint that ``path`` means, or None.
+
+    None for remote paths, for anything that is not a Megatron-LM / DeepSpeed
+    checkpoint, and for shardpoint's own checkpoints (``shardpoint.json``, or a save's
+    ``.shardpoint-in-progress`` object): shardpoint's ``torch`` format looks like
+    Megatron's legacy one, and is read by shardpoint's own readers. Never raises for
+    what it does not recognise, so callers can fall back to shardpoint's tools.
+    """
+    from shardpoint.commit import IN_PROGRESS_NAME
+    from shardpoint.metadata import MARKER_NAME
+
+    text = os.fspath(path)
+    if "://" in text or not os.path.isdir(text):
+        return None
+    try:
+        directory = locate(text, iteration)
+    except CheckpointError:
+        return None
+    if any(os.path.exists(os.path.join(directory, n)) for n in (MARKER_NAME, IN_PROGRESS_NAME)):
+        return None
+    return directory if detect(directory, strict=False) else None
 
 
 def detect(directory: str, strict: bool = True) -> str | None:

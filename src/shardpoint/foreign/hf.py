@@ -1,0 +1,341 @@
+"""A Megatron-LM GPT as a Hugging Face ``GPT2LMHeadModel`` directory.
+
+Only GPT-2-like Megatron models map onto GPT-2 exactly: learned absolute position
+embeddings, LayerNorm, a plain (not gated) GeLU MLP, multi-head attention with
+``kv_channels = hidden / heads``, pre-LayerNorm residuals. :func:`check_gpt2_like`
+reads the source's args and refuses anything else, naming every feature GPT-2 has no
+place for (SwiGLU, RoPE, RMSNorm, grouped-query attention, MoE, ...): a model that
+cannot be expressed is an error, never an approximation.
+
+The mapping (:func:`to_gpt2_state_dict`), from the global tensors of a
+:class:`~shardpoint.foreign.ForeignCheckpoint` (TP pieces already concatenated, layer
+numbers global):
+
+* ``embedding.word_embeddings.weight`` -> ``transformer.wte.weight`` and, when
+  untied, ``output_layer.weight`` -> ``lm_head.weight``: rows past the real
+  vocabulary (Megatron pads to ``make_vocab_size_divisible_by * tp``) are dropped;
+* ``embedding.position_embeddings.weight`` -> ``transformer.wpe.weight``;
+* per layer ``input_layernorm`` (or Transformer Engine's fused
+  ``self_attention.linear_qkv.layer_norm_*``) -> ``ln_1``, ``pre_mlp_layernorm`` (or
+  ``mlp.linear_fc1.layer_norm_*``) -> ``ln_2``, ``decoder.final_layernorm`` -> ``ln_f``;
+* ``self_attention.linear_qkv``: Megatron's rows are interleaved per query group
+  (``[q heads of group g, k_g, v_g]``); GPT-2's ``c_attn`` is ``[Q; K; V]``, so rows
+  are regrouped (:func:`~shardpoint.foreign.structure.qkv_to_separate`);
+* ``linear_qkv``, ``linear_proj``, ``mlp.linear_fc1``, ``mlp.linear_fc2`` ->
+  ``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``: GPT-2's ``Conv1D``
+  stores ``[in, out]``, so weights are transposed; biases absent from the source
+  (``--disable-bias-linear``) are written as zeros, which is what the model computed.
+
+The activation: Megatron's ``F.gelu`` is the exact (erf) GeLU, GPT-2's ``"gelu"``;
+``--openai-gelu`` and the fused bias-GeLU kernel (``--bias-gelu-fusion``, Megatron's
+default) compute the tanh approximation, GPT-2's ``"gelu_new"``.
+
+:func:`export_hf` writes ``config.json`` and ``model.safetensors`` (each under a
+temporary name, then renamed) that ``GPT2LMHeadModel.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+
+from shardpoint.errors import CheckpointError
+from shardpoint.foreign._types import ForeignCheckpoint
+from shardpoint.foreign.structure import qkv_to_separate
+
+__all__ = ["HF_CONFIG", "HF_WEIGHTS", "check_gpt2_like", "export_hf", "hf_config", "to_gpt2_state_dict"]
+
+log = logging.getLogger(__name__)
+
+HF_WEIGHTS = "model.safetensors"
+HF_CONFIG = "config.json"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+# HF name inside a block -> Megatron names inside a layer (first found wins), is a Linear weight to transpose
+_LAYER_MAP: list[tuple[str, tuple[str, ...], bool]] = [
+    ("ln_1.weight", ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"), False),
+    ("ln_1.bias", ("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"), False),
+    ("attn.c_attn.weight", ("self_attention.linear_qkv.weight",), True),
+    ("attn.c_attn.bias", ("self_attention.linear_qkv.bias",), False),
+    ("attn.c_proj.weight", ("self_attention.linear_proj.weight",), True),
+    ("attn.c_proj.bias", ("self_attention.linear_proj.bias",), False),
+    ("ln_2.weight", ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"), False),
+    ("ln_2.bias", ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"), False),
+    ("mlp.c_fc.weight", ("mlp.linear_fc1.weight",), True),
+    ("mlp.c_fc.bias", ("mlp.linear_fc1.bias",), False),
+    ("mlp.c_proj.weight", ("mlp.linear_fc2.weight",), True),
+    ("mlp.c_proj.bias", ("mlp.linear_fc2.bias",), False),
+]
+# biases a Megatron model may lack (--disable-bias-linear, no --add-qkv-bias): zero is what it computed
+_OPTIONAL_BIAS = {"attn.c_attn.bias", "attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias"}
+_TOP_MAP = [
+    ("transformer.wpe.weight", "embedding.position_embeddings.weight"),
+    ("transformer.ln_f.weight", "decoder.final_layernorm.weight"),
+    ("transformer.ln_f.bias", "decoder.final_layernorm.bias"),
+]
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+
+
+def _arg(args: dict[str, Any], name: str, default: Any = None) -> Any:
+    value = args.get(name, default)
+    return default if value is None else value
+
+
+def _heads_and_groups(args: dict[str, Any]) -> tuple[int, int]:
+    heads = int(_arg(args, "num_attention_heads", 0))
+    groups = int(_arg(args, "num_query_groups", heads)) if _arg(args, "group_query_attention", False) else heads
+    return heads, groups
+
+
+def _unsupported(args: dict[str, Any]) -> list[str]:
+    """What in ``args`` GPT-2 cannot express, one phrase each (empty: GPT-2-like)."""
+    problems = []
+    position = _arg(args, "position_embedding_type", "learned_absolute")
+    if position != "learned_absolute" or _arg(args, "use_rotary_position_embeddings", False):
+        problems.append(f"position embeddings {position!r} (GPT-2 learns absolute positions)")
+    elif not _arg(args, "add_position_embedding", True):
+        problems.append("no position embeddings (--no-position-embedding)")
+    if _arg(args, "normalization", "LayerNorm") != "LayerNorm":
+        problems.append(f"normalization {args['normalization']!r} (GPT-2 uses LayerNorm)")
+    for flag, what in (
+        ("swiglu", "gated MLP (--swiglu)"),
+        ("quick_geglu", "gated MLP (--quick-geglu)"),
+        ("squared_relu", "squared ReLU activation (--squared-relu)"),
+        ("use_te_activation_func", "Transformer Engine activation functions (--use-te-activation-func)"),
+        ("layernorm_zero_centered_gamma", "zero-centered LayerNorm gamma (--apply-layernorm-1p)"),
+        ("apply_layernorm_1p", "zero-centered LayerNorm gamma (--apply-layernorm-1p)"),
+        ("apply_residual_connection_post_layernorm", "post-LayerNorm residuals"),
+        ("qk_layernorm", "query/key LayerNorm (--qk-layernorm)"),
+        ("multi_latent_attention", "multi-latent attention"),
+        ("attention_output_gate", "gated attention output"),
+        ("num_experts", "mixture of experts (--num-experts)"),
+        ("mtp_num_layers", "multi-token prediction layers"),
+        ("window_size", "sliding-window attention (--window-size)"),
+        ("heterogeneous_layers_config_path", "heterogeneous layers"),
+        ("experimental_attention_variant", "an experimental attention variant"),
+        ("activation_func_clamp_value", "a clamped activation"),
+    ):
+        if _arg(args, flag, False):
+            problems.append(what)
+    if _arg(args, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"softmax type {args['softmax_type']!r}")
+    heads, groups = _heads_and_groups(args)
+    hidden = int(_arg(args, "hidden_size", 0))
+    if groups != heads:
+        problems.append(f"grouped-query attention ({groups} query groups for {heads} heads)")
+    if heads <= 0 or hidden % heads:
+        problems.append(f"hidden_size {hidden} not divisible into num_attention_heads {heads}")
+    elif _arg(args, "kv_channels", hidden // heads) != hidden // heads:
+        problems.append(f"kv_channels {args['kv_channels']} != hidden_size / num_attention_heads ({hidden // heads})")
+    return problems
+
+
+def check_gpt2_like(ckpt: ForeignCheckpoint) -> None:
+    """Raise unless ``ckpt`` is a Megatron GPT that GPT-2 expresses exactly.
+
+    Raises:
+        CheckpointError: not a Megatron checkpoint, args missing, or (all named at once)
+            the model features GPT-2 has no equivalent for.
+    """
+    if ckpt.tool != "megatron":
+        raise CheckpointError(
+            f"{ckpt.path} is a {ckpt.tool} checkpoint; --to hf maps Megatron-LM GPT models (megatron-core names) only"
+        )
+    if not ckpt.args:
+        raise CheckpointError(f"{ckpt.path} records no Megatron args; the model's shape and features are unknown")
+    problems = _unsupported(ckpt.args)
+    if problems:
+        raise CheckpointError(
+            f"{ckpt.path}: this Megatron model is not GPT-2-like, so GPT2LMHeadModel cannot hold it exactly: "
+            + "; ".join(problems)
+            + ". Export it with --to safetensors instead (Megatron's own names) or convert it with a tool for that "
+            "architecture"
+        )
+
+
+def activation(args: dict[str, Any]) -> str:
+    """GPT-2's ``activation_function`` for Megatron's GeLU: erf ``"gelu"``, or tanh ``"gelu_new"``."""
+    fused = _arg(args, "bias_gelu_fusion", False) and _arg(args, "add_bias_linear", True)
+    return "gelu_new" if _arg(args, "openai_gelu", False) or fused else "gelu"
+
+
+def _vocab(ckpt: ForeignCheckpoint, vocab_size: int | None) -> int:
+    rows = ckpt.params[WORD_EMBEDDINGS].shape[0] if WORD_EMBEDDINGS in ckpt.params else 0
+    vocab = vocab_size if vocab_size is not None else ckpt.args.get("vocab_size")
+    if vocab is None:
+        raise CheckpointError(
+            f"{ckpt.path}: the args record no vocab_size (the tokenizer set it), so the {rows} embedding rows "
+            "cannot be told from Megatron's padding; pass the tokenizer's vocabulary size (--vocab-size)"
+        )
+    if not 0 < int(vocab) <= rows:
+        raise CheckpointError(f"{ckpt.path}: vocabulary size {vocab} does not fit the {rows} rows of {WORD_EMBEDDINGS}")
+    return int(vocab)
+
+
+def _num_layers(ckpt: ForeignCheckpoint) -> int:
+    layers = sorted({int(m.group(1)) for n in ckpt.params if (m := _LAYER.match(n))})
+    if layers != list(range(len(layers))) or not layers:
+        raise CheckpointError(f"{ckpt.path}: transformer layers {layers} are not numbered 0..N-1")
+    expected = ckpt.args.get("num_layers")
+    if expected is not None and int(expected) != len(layers):
+        raise CheckpointError(f"{ckpt.path}: the args say num_layers={expected} but the weights hold {len(layers)}")
+    return len(layers)
+
+
+def hf_config(
+    ckpt: ForeignCheckpoint, vocab_size: int | None = None, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """``config.json`` of the ``GPT2LMHeadModel`` equal to Megatron GPT ``ckpt`` (checked GPT-2-like first)."""
+    check_gpt2_like(ckpt)
+    args = ckpt.args
+    hidden = int(args["hidden_size"])
+    positions = ckpt.params.get("embedding.position_embeddings.weight")
+    n_positions = int(positions.shape[0]) if positions is not None else int(_arg(args, "max_position_embeddings", 0))
+    fc1 = ckpt.params.get("decoder.layers.0.mlp.linear_fc1.weight")
+    dtype = dtype or ckpt.params[WORD_EMBEDDINGS].dtype
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": _vocab(ckpt, vocab_size),
+        "n_positions": n_positions,
+        "n_ctx": n_positions,
+        "n_embd": hidden,
+        "n_layer": _num_layers(ckpt),
+        "n_head": int(args["num_attention_heads"]),
+        "n_inner": int(fc1.shape[0]) if fc1 is not None else _arg(args, "ffn_hidden_size"),
+        "activation_function": activation(args),
+        "resid_pdrop": float(_arg(args, "hidden_dropout", 0.1)),
+        "embd_pdrop": float(_arg(args, "hidden_dropout", 0.1)),
+        "attn_pdrop": float(_arg(args, "attention_dropout", 0.1)),
+        "layer_norm_epsilon": float(_arg(args, "layernorm_epsilon", 1e-5)),
+        "initializer_range": float(_arg(args, "init_method_std", 0.02)),
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def to_gpt2_state_dict(
+    ckpt: ForeignCheckpoint, vocab_size: int | None = None, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The ``GPT2LMHeadModel`` state dict of Megatron GPT ``ckpt`` (contiguous; ``dtype`` or as saved).
+
+    Raises:
+        CheckpointError: the model is not GPT-2-like, a tensor GPT-2 needs is missing
+            (named), or the checkpoint holds tensors GPT-2 has no place for (named).
+    """
+    check_gpt2_like(ckpt)
+    params, where = ckpt.params, ckpt.path
+    vocab = _vocab(ckpt, vocab_size)
+    heads, groups = _heads_and_groups(ckpt.args)
+    used = {WORD_EMBEDDINGS}
+    out = {"transformer.wte.weight": params[WORD_EMBEDDINGS][:vocab]}
+    tied = not _arg(ckpt.args, "untie_embeddings_and_output_weights", False)
+    if not tied:
+        out["lm_head.weight"] = _need(params, OUTPUT_LAYER, where)[:vocab]
+    used.add(OUTPUT_LAYER)  # with tied embeddings a copy is the embedding itself
+    for hf, ours in _TOP_MAP:
+        out[hf] = _need(params, ours, where)
+        used.add(ours)
+    for i in range(_num_layers(ckpt)):
+        prefix = f"decoder.layers.{i}."
+        for hf, candidates, linear in _LAYER_MAP:
+            name = next((prefix + c for c in candidates if prefix + c in params), None)
+            if name is None:
+                if hf not in _OPTIONAL_BIAS:
+                    _need(params, prefix + candidates[0], where)
+                continue
+            used.add(name)
+            t = params[name]
+            if "linear_qkv" in name and "layer_norm" not in name:
+                t = torch.cat(qkv_to_separate(name, t, heads, groups))
+            out[f"transformer.h.{i}.{hf}"] = t.t() if linear else t
+        _zero_biases(out, i)
+    unused = sorted(set(params) - used)
+    if unused:
+        raise CheckpointError(
+            f"{where} holds tensors a GPT-2 model has no place for: {unused[:5]}"
+            + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            + "; this is not a plain Megatron GPT"
+        )
+    return {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone() for k, v in out.items()}
+
+
+def _need(params: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+    if name not in params:
+        raise CheckpointError(f"{where} has no {name}, which a GPT-2 model needs; is this a megatron-core GPTModel?")
+    return params[name]
+
+
+def _zero_biases(out: dict[str, torch.Tensor], i: int) -> None:
+    """Zero biases for the linear layers a ``--disable-bias-linear`` model has without them."""
+    block = f"transformer.h.{i}."
+    for bias in sorted(_OPTIONAL_BIAS):
+        if block + bias not in out:
+            weight = out[block + bias.replace(".bias", ".weight")]
+            out[block + bias] = weight.new_zeros(weight.shape[1])
+
+
+def export_hf(
+    ckpt: ForeignCheckpoint,
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    vocab_size: int | None = None,
+) -> str:
+    """Write ``config.json`` and ``model.safetensors`` of Megatron GPT ``ckpt``; return ``out_dir``.
+
+    Args:
+        ckpt: from :func:`~shardpoint.foreign.read_foreign` or
+            :func:`~shardpoint.foreign.exporter.from_shardpoint` (an imported checkpoint).
+        out_dir: a local directory, created if needed; files of the same names are replaced.
+        dtype: cast the weights (default: as saved).
+        vocab_size: the real vocabulary size, when the args do not record it.
+
+    Raises:
+        CheckpointError: the model is not GPT-2-like (every unsupported feature named),
+            or tensors are missing or left over (named).
+
+    Example:
+        >>> export_hf(read_foreign("/data/megatron/gpt-run"), "hf-gpt")
+        >>> transformers.GPT2LMHeadModel.from_pretrained("hf-gpt")
+    """
+    from safetensors.torch import save_file
+
+    config = hf_config(ckpt, vocab_size, dtype)
+    tensors = to_gpt2_state_dict(ckpt, vocab_size, dtype)
+    out = os.path.abspath(os.fspath(out_dir))
+    os.makedirs(out, exist_ok=True)
+    weights, config_path = os.path.join(out, HF_WEIGHTS), os.path.join(out, HF_CONFIG)
+    try:
+        save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
+        with open(config_path + ".tmp", "w") as f:
+            json.dump(config, f, indent=2)
+        os.replace(weights + ".tmp", weights)
+        os.replace(config_path + ".tmp", config_path)
+    finally:
+        for tmp in (weights + ".tmp", config_path + ".tmp"):
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    rows = ckpt.params[WORD_EMBEDDINGS].shape[0]
+    log.info(
+        "exported %s (iteration %d) to %s: %d layers, vocabulary %d (%d padding rows dropped), %s",
+        ckpt.path,
+        ckpt.iteration,
+        out,
+        config["n_layer"],
+        config["vocab_size"],
+        rows - config["vocab_size"],
+        config["activation_function"],
+    )
+    return out
