@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -34,6 +35,27 @@ __all__ = ["BenchConfig", "add_parser", "parse_size", "run_bench"]
 
 GPT_SHAPES = [("attn.qkv", (3, 1)), ("attn.proj", (1, 1)), ("mlp.fc1", (4, 1)), ("mlp.fc2", (1, 4))]
 
+# One tensor-parallel rank's tensors of a real model (Llama-like: SwiGLU, RMSNorm), per layer:
+# the shapes are those of that rank; the number of layers follows --size.
+SHAPE_PRESETS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
+    "7b-tp8": [
+        ("attn.qkv", (1536, 4096)),
+        ("attn.proj", (4096, 512)),
+        ("mlp.fc1", (2752, 4096)),
+        ("mlp.fc2", (4096, 1376)),
+        ("input_norm", (4096,)),
+        ("post_attn_norm", (4096,)),
+    ],
+    "1b-tp2": [
+        ("attn.qkv", (3072, 2048)),
+        ("attn.proj", (2048, 1024)),
+        ("mlp.fc1", (5632, 2048)),
+        ("mlp.fc2", (2048, 2816)),
+        ("input_norm", (2048,)),
+        ("post_attn_norm", (2048,)),
+    ],
+}
+
 
 @dataclass
 class BenchConfig:
@@ -43,6 +65,8 @@ class BenchConfig:
     dirs: list[str]
     json: bool = False
     quiet: bool = False
+    shapes: str = "synthetic"
+    keep_last: int | None = 1
 
 
 def parse_size(text: str) -> int:
@@ -75,6 +99,25 @@ def synthetic_state(total_bytes: int, rank: int, world: int) -> dict[str, torch.
     return state
 
 
+def preset_state(preset: str, total_bytes: int, rank: int, world: int, main_world: int) -> dict[str, torch.Tensor]:
+    """This rank's tensors shaped like a rank of a real tensor-parallel job (see ``SHAPE_PRESETS``).
+
+    At ``main_world`` ranks each holds exactly the preset's shapes (split along dim 0
+    of the global tensors); at other world sizes the same global tensors are split anew.
+    """
+    shapes = SHAPE_PRESETS[preset]
+    layer_bytes = sum(math.prod(shape) for _, shape in shapes) * 4 * 3 * main_world
+    layers = max(1, round(total_bytes / layer_bytes))
+    gen = torch.Generator().manual_seed(rank)
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        for name, shape in shapes:
+            local = (shape[0] * main_world // world, *shape[1:])
+            for kind in ("weight", "exp_avg", "exp_avg_sq"):
+                state[f"layers.{layer}.{name}.{kind}"] = torch.rand(local, generator=gen)
+    return state
+
+
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.nbytes for t in state.values())
 
@@ -83,8 +126,9 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 class Methods:
     """One rank's operations; each returns when this rank's part is done (callers barrier)."""
 
-    def __init__(self, state: dict[str, torch.Tensor], root: str, rank: int, world: int):
+    def __init__(self, state: dict[str, torch.Tensor], root: str, rank: int, world: int, keep_last: int | None = 1):
         self.state, self.root, self.rank, self.world = state, root, rank, world
+        self.keep_last = keep_last
         self.storage = open_storage(root)
         self.buffers = {k: torch.empty_like(t) for k, t in state.items()}
 
@@ -174,7 +218,9 @@ class Methods:
         if not hasattr(self, "_ckpts"):
             self._ckpts = {}
         if name not in self._ckpts:
-            self._ckpts[name] = sp.Checkpointer(self.path(name), topology=topo, async_save=async_save, keep_last=1)
+            self._ckpts[name] = sp.Checkpointer(
+                self.path(name), topology=topo, async_save=async_save, keep_last=self.keep_last
+            )
         ckpt = self._ckpts[name]
         self._iteration = getattr(self, "_iteration", 0) + 1
         ckpt.save(self._iteration, state)
@@ -290,8 +336,11 @@ def _worker(rank: int, world: int, port: int, config: dict[str, Any], root: str,
     logging.disable(logging.INFO)
     try:
         # the full-size state is split over the main phase's ranks; the reshard phase holds the same total
-        state = synthetic_state(config["size"], rank, world)
-        m = Methods(state, root, rank, world)
+        if config["shapes"] == "synthetic":
+            state = synthetic_state(config["size"], rank, world)
+        else:
+            state = preset_state(config["shapes"], config["size"], rank, world, config["ranks"])
+        m = Methods(state, root, rank, world, config["keep_last"])
         if phase == "main":
             # first, while no snapshot buffer exists in the process: the memory an async save adds
             peak = float(_peak_rss_during(lambda: m.sp_save(async_save=True).wait()))
@@ -350,11 +399,33 @@ def add_parser(subparsers: Any) -> None:
         dest="dirs",
         help="target directory (repeatable); default: /dev/shm and a folder in the current directory",
     )
+    parser.add_argument(
+        "--shapes",
+        choices=["synthetic", *SHAPE_PRESETS],
+        default="synthetic",
+        help="tensor shapes: 'synthetic' (GPT-like, many mid-sized tensors) or a rank of a real tensor-parallel "
+        "model (7b-tp8: fewer, larger tensors; 1b-tp2); the layer count follows --size",
+    )
+    parser.add_argument(
+        "--keep-last",
+        type=int,
+        default=1,
+        help="retention of shardpoint's saves, part of what is measured (default 1; 0 keeps all)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.set_defaults(
         func=lambda args: run_bench(
-            BenchConfig(args.size, args.ranks, args.repeat, args.dirs or _default_dirs(), args.json, args.quiet)
+            BenchConfig(
+                args.size,
+                args.ranks,
+                args.repeat,
+                args.dirs or _default_dirs(),
+                args.json,
+                args.quiet,
+                args.shapes,
+                args.keep_last or None,
+            )
         )
     )
 
@@ -381,7 +452,13 @@ def run_bench(config: BenchConfig) -> int:
                     f"bench: {config.size / 1e9:.2f} GB over {config.ranks} ranks in {directory} "
                     f"({config.repeat} rounds)..."
                 )
-            settings = {"size": config.size, "repeat": config.repeat}
+            settings = {
+                "size": config.size,
+                "repeat": config.repeat,
+                "shapes": config.shapes,
+                "ranks": config.ranks,
+                "keep_last": config.keep_last,
+            }
             main = _launch(config.ranks, settings, root, "main")
             reshard = _launch(config.ranks // 2, settings, root, "reshard")
             reports.append(summarize(directory, config, main, reshard))
@@ -408,13 +485,14 @@ def _median_ratio(a: list[float], b: list[float]) -> float:
 def summarize(directory: str, config: BenchConfig, main: list[dict], reshard: list[dict]) -> dict[str, Any]:
     """Medians, per-round ratios and target checks for one directory."""
     times = {**main[0], **{k: v for k, v in reshard[0].items() if k.startswith("shardpoint load (")}}
+    total = sum(r["state bytes per rank"][0] for r in main)  # presets round --size to whole layers
     rows = [
         {
             "name": name,
             "median_s": statistics.median(v),
             "min_s": min(v),
             "max_s": max(v),
-            "gb_per_s": config.size / 1e9 / statistics.median(v) if statistics.median(v) > 0 else None,
+            "gb_per_s": total / 1e9 / statistics.median(v) if statistics.median(v) > 0 else None,
         }
         for name, v in times.items()
         if not name.endswith(("RSS", "bytes per rank"))
@@ -453,7 +531,9 @@ def summarize(directory: str, config: BenchConfig, main: list[dict], reshard: li
     }
     return {
         "dir": directory,
-        "size_bytes": config.size,
+        "size_bytes": total,
+        "shapes": config.shapes,
+        "keep_last": config.keep_last,
         "ranks": config.ranks,
         "repeat": config.repeat,
         "state_bytes_per_rank": state_per_rank,
@@ -474,8 +554,8 @@ def print_report(report: dict[str, Any]) -> None:
 
     console = Console()
     table = Table(
-        title=f"{report['dir']}: {report['size_bytes'] / 1e9:.2f} GB over {report['ranks']} ranks, "
-        f"median of {report['repeat']}"
+        title=f"{report['dir']}: {report['size_bytes'] / 1e9:.2f} GB ({report['shapes']} shapes) over "
+        f"{report['ranks']} ranks, keep_last={report['keep_last']}, median of {report['repeat']}"
     )
     for column in ("operation", "median s", "min–max s", "GB/s"):
         table.add_column(column, justify="left" if column == "operation" else "right")

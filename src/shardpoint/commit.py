@@ -44,6 +44,7 @@ __all__ = [
     "publish",
     "read_marker",
     "read_tracker",
+    "retire",
     "write_tracker",
 ]
 
@@ -161,6 +162,25 @@ def list_checkpoints(storage: Storage, root: str, layout: Layout) -> list[Checkp
             meta, problem = None, str(exc)
         entries.append(CheckpointEntry(name, path, iteration, meta, problem))
     return sorted(entries, key=lambda e: (e.iteration is None, e.iteration or 0))
+
+
+def retire(storage: Storage, root: str, name: str) -> None:
+    """Delete the committed checkpoint ``root/name`` so that a crash at any moment leaves nothing loadable half-gone.
+
+    On a filesystem it is first renamed to a temporary name (one atomic step: it stops
+    being a checkpoint), then deleted; a crash leaves a temporary directory that the
+    next start removes. On object storage its in-progress note is written back and
+    the marker deleted first, so a crash leaves a prefix :func:`clean_leftovers` removes.
+    """
+    path = storage.join(root, name)
+    if storage.supports_rename:
+        doomed = storage.join(root, f"{TMP_PREFIX}retired-{name}-{secrets.token_hex(4)}")
+        storage.publish_dir(path, doomed)
+        storage.remove(doomed)
+        return
+    storage.write_atomic(storage.join(path, IN_PROGRESS_NAME), f"retiring {name}".encode())
+    storage.remove(storage.join(path, MARKER_NAME))
+    storage.remove(path)
 
 
 def clean_leftovers(storage: Storage, root: str) -> list[str]:

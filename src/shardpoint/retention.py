@@ -3,12 +3,18 @@
 Deletion happens only after a newer checkpoint is committed, never touches the
 checkpoint the tracker names or ``release/``, and a failure only warns: one
 undeletable directory must not fail a save (torchtitan's purge thread makes the
-same choice).
+same choice). What failed is tried again at the next run, which lists the root anew.
+
+Deleting a checkpoint takes as long as writing one can on a slow disk, so the
+Checkpointer runs it on a worker thread (:class:`BackgroundRetention`) after each
+commit: ``save()`` returns without waiting, and the next commit waits for the
+previous deletion (not earlier), so deletions never overlap a tracker change.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 from shardpoint import commit, faults
@@ -17,7 +23,7 @@ from shardpoint.layout import Layout
 from shardpoint.policy import CheckpointInfo, PreservationPolicy, select_for_deletion
 from shardpoint.storage import Storage
 
-__all__ = ["apply_retention"]
+__all__ = ["BackgroundRetention", "apply_retention"]
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +40,42 @@ def apply_retention(storage: Storage, root: str, layout: Layout, policies: Seque
         infos = [CheckpointInfo(e.iteration, e.meta.metrics) for e in entries]
         for iteration in select_for_deletion(infos, policies, {tracked} if tracked is not None else set()):
             name = layout.dir_name(iteration)
-            storage.remove(storage.join(root, name))
+            commit.retire(storage, root, name)
             removed.append(name)
             log.info("retention removed %s", storage.join(root, name))
     except (OSError, CheckpointError) as exc:
         log.warning("retention could not delete old checkpoints under %s: %s", root, exc)
     return removed
+
+
+class BackgroundRetention:
+    """:func:`apply_retention` on a worker thread, one run at a time.
+
+    Call order (rank 0 only): :meth:`wait` before a commit changes the tracker,
+    :meth:`start` after it, :meth:`wait` at close.
+    """
+
+    def __init__(self, storage: Storage, root: str, layout: Layout, policies: Sequence[PreservationPolicy]):
+        self.storage, self.root, self.layout, self.policies = storage, root, layout, tuple(policies)
+        self._thread: threading.Thread | None = None
+        self.removed: list[str] = []
+
+    def start(self) -> None:
+        """Begin deleting what the policies no longer keep; returns at once."""
+        if not self.policies:
+            return
+        self.wait()
+        self._thread = threading.Thread(target=self._run, name="shardpoint-retention", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the deletion in progress, if any, is finished."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        try:
+            self.removed += apply_retention(self.storage, self.root, self.layout, self.policies)
+        except Exception:  # noqa: BLE001 - a deletion must never fail training; the next run tries again
+            log.exception("retention under %s failed; retrying after the next save", self.root)
