@@ -56,6 +56,7 @@ __all__ = [
     "NodeLocalError",
     "NodeMarker",
     "PartialCheckpointError",
+    "committed_metadata",
     "detect",
     "probe_domains",
 ]
@@ -266,6 +267,12 @@ class NodeLocal:
             if marker is not None:
                 found[iteration] = marker
         return found
+
+
+def committed_metadata(storage: Storage, directory: str) -> CheckpointMetadata:
+    """The marker of a just-committed checkpoint directory: ``shardpoint.json``, or a node part's embedded one."""
+    marker = read_node_marker(storage, directory)
+    return marker.checkpoint if marker is not None else commit.read_marker(storage, directory)
 
 
 def partial_error(storage: Storage, root: str, layout: Layout) -> PartialCheckpointError | None:

@@ -17,6 +17,9 @@ and credentials from the standard AWS variables, which the ranks inherit). Rank
 logs and ``loss.png`` go to ``--out``, always local: by default ``--dir`` itself when
 it is local, else a new temporary directory. The demo only ever clears a directory
 or prefix that holds its marker object (``.shardpoint-demo``), or an empty one.
+
+``--nnodes 2`` runs the training on torchrun "nodes" with node-local directories and
+object storage, loses a node and resumes on one (see :mod:`shardpoint.demo.cluster`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import shardpoint as sp
 from shardpoint import commit
+from shardpoint.demo.cluster import loopback_s3, run_cluster_demo
 from shardpoint.demo.model import GPTConfig
 from shardpoint.demo.procs import RunOutcome, run_ranks
 from shardpoint.demo.report import PhaseReport, compare_losses, plot_losses, render_table, summary_json
@@ -115,6 +119,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="DIR",
         help="local directory for rank logs and loss.png (default: --dir when local, else a temporary directory)",
     )
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="run on this many torchrun 'nodes' with node-local dirs and object storage, SIGKILL the last one, "
+        "resume on one node at the reshard layout (see shardpoint.demo.cluster)",
+    )
     parser.add_argument("--no-reuse", action="store_true", help="rerun the reference even if one matches")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
@@ -135,13 +146,21 @@ def run(args: argparse.Namespace) -> int:
         reuse_reference=not args.no_reuse,
     )
     _check_layouts(settings)
+    world = args.tp * args.pp * args.dp
+    if args.nnodes < 1 or world % args.nnodes:
+        raise sp.CheckpointError(f"--nnodes {args.nnodes} must divide the world size tp*pp*dp = {world}")
     settings = replace(settings, output=_output_dir(settings))
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is noise here
     stream = sys.stderr if args.json else sys.stdout
     # Not a terminal (a log, a pipe): no width to fit, so keep the table on one line per row.
     console = Console(stderr=args.json, width=None if stream.isatty() else 110)
     started = time.perf_counter()
-    phases, problems = run_demo(settings, console, show_progress=not args.quiet and not args.json)
+    show = not args.quiet and not args.json
+    if args.nnodes > 1:
+        with loopback_s3(settings.directory) as remote:
+            phases, problems = run_cluster_demo(settings, args.nnodes, remote, settings.output, console, show)
+    else:
+        phases, problems = run_demo(settings, console, show_progress=show)
     wall = time.perf_counter() - started
     plot = os.path.join(settings.output, "loss.png")
     if args.json:

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 import shardpoint as sp
-from shardpoint import commit
 from shardpoint.demo.data import SampleStream, micro_batches
 from shardpoint.demo.model import GPTConfig, GPTModel
 from shardpoint.demo.optim import DistributedAdamW
@@ -40,6 +39,7 @@ from shardpoint.demo.pipeline import forward_backward
 from shardpoint.demo.preemption import ExitSignalHandler, agree_to_exit
 from shardpoint.demo.rng_tracker import RNGTracker
 from shardpoint.demo.validation import check_validation_logits, validation_logits, validation_tokens
+from shardpoint.node_local import committed_metadata
 
 __all__ = ["SaveRecord", "StepInfo", "TrainConfig", "TrainResult", "Trainer", "cosine_with_warmup"]
 
@@ -68,6 +68,8 @@ class TrainConfig:
         validation_tolerance: largest accepted absolute logit difference.
         format: checkpoint format, ``"dist"`` (reshardable) or ``"torch"``.
         log_interval: log loss and throughput every N iterations (rank 0).
+        upload_to: local-first mode, ``s3://`` prefix the checkpoints are uploaded to
+            (``save`` may then be a node-local directory, see :mod:`shardpoint.node_local`).
     """
 
     save: str
@@ -91,6 +93,7 @@ class TrainConfig:
     validation_tolerance: float = 1e-4
     format: str = "dist"
     log_interval: int = 10
+    upload_to: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
@@ -190,6 +193,7 @@ class Trainer:
             format=config.format,
             save_interval=config.save_interval,
             config=config.model.checkpoint_config(),
+            upload_to=config.upload_to,
         )
         self.stream = SampleStream(config.model.seq_length, seed=config.seed)
         self.validation_tokens = validation_tokens(config.model.seq_length, config.seed)
@@ -268,7 +272,7 @@ class Trainer:
         else:
             self.ckpt.save(iteration, self.state, validation_logits=logits)
         path = self.ckpt.storage.join(self.ckpt.root, self.ckpt.layout.dir_name(iteration))
-        size = commit.read_marker(self.ckpt.storage, path).total_bytes if self.ps.topology.rank == 0 else 0
+        size = committed_metadata(self.ckpt.storage, path).total_bytes if self.ps.topology.rank == 0 else 0
         self.saves.append(SaveRecord(iteration, self.ckpt.last_save_seconds, size))
         return True
 
