@@ -13,9 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ import torch.nn.functional as F
 from shardpoint.errors import CheckpointError
 from shardpoint.foreign import import_checkpoint, read_foreign
 from shardpoint.foreign.hf import export_hf, hf_config
+from tests.test_cli_commands import run_cli
 from tests.test_foreign_import import FIXTURES, truth
 
 transformers = pytest.importorskip("transformers")
@@ -146,22 +144,10 @@ def test_models_gpt2_cannot_hold_are_refused_naming_what_differs(tmp_path):
 
 def test_cli_exports_through_the_import_and_in_place(batch, tmp_path):
     import_checkpoint(FIXTURES / "megatron-legacy-tp2" / "ckpt", tmp_path / "imported")
-    code = (  # two commands in one process: a fresh one costs seconds of imports
-        "import sys; from shardpoint import cli; pairs = zip(sys.argv[1::2], sys.argv[2::2]); "
-        "sys.exit(max(cli.main(['export', a, '--to', 'hf', b, '--json']) for a, b in pairs))"
-    )
-    sources = [tmp_path / "imported", FIXTURES / "megatron-torchdist-tp2" / "ckpt"]
-    outs = [tmp_path / "hf-imported", tmp_path / "hf-direct"]
-    args = [str(x) for pair in zip(sources, outs) for x in pair]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode == 0, run.stderr
-    decoder, text, reports = json.JSONDecoder(), run.stdout.strip(), []
-    while text:  # one JSON report per command
-        report, end = decoder.raw_decode(text)
-        reports.append(report)
-        text = text[end:].strip()
-    assert [r["format"] for r in reports] == ["torch", "torch_dist"]
-    assert all(r["vocab_size"] == VOCAB and r["layers"] == LAYERS for r in reports)
-    for out in outs:
-        close(hf_logits(out, batch["tokens"]), batch["logits"])
+    sources = {"torch": tmp_path / "imported", "torch_dist": FIXTURES / "megatron-torchdist-tp2" / "ckpt"}
+    for fmt, source in sources.items():
+        result = run_cli("export", source, "--to", "hf", tmp_path / fmt, "--json")
+        assert result.rc == 0, result.err
+        report = result.json()
+        assert (report["format"], report["vocab_size"], report["layers"]) == (fmt, VOCAB, LAYERS)
+        close(hf_logits(tmp_path / fmt, batch["tokens"]), batch["logits"])

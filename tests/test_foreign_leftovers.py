@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +12,7 @@ from shardpoint import commit
 from shardpoint.commands.verify import check_checkpoint
 from shardpoint.s3 import s3_filesystem
 from shardpoint.storage import open_storage
+from tests.test_cli_commands import run_cli
 from tests.test_foreign_import import FIXTURES
 
 FOREIGN = FIXTURES / "megatron-legacy-tp1" / "ckpt" / "iter_0000002"
@@ -65,24 +63,18 @@ def test_s3_save_refuses_to_overwrite_a_foreign_prefix_of_the_same_name(s3_serve
     assert Path(FOREIGN).exists()
 
 
-def _verify_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardpoint.cli", "verify", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
-
-
 def test_verify_ignores_a_leftover_in_progress_object_but_not_other_strays(tmp_path):
     ckpt = sp.Checkpointer(tmp_path)
     ckpt.save(1, state())
     ckpt.close()
     # what a save on object storage leaves when it dies after the marker, before removing this object
     (tmp_path / "iter_0000001" / commit.IN_PROGRESS_NAME).write_text('{"save": "iter_0000001"}')
-    clean = _verify_cli(tmp_path, "--json")
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert json.loads(clean.stdout)["checkpoints"][0]["unrecorded"] == []
+    clean = run_cli("verify", tmp_path, "--json")
+    assert clean.rc == 0, clean.out + clean.err
+    assert clean.json()["checkpoints"][0]["unrecorded"] == []
     (tmp_path / "iter_0000001" / "stray.bin").write_bytes(b"x")  # still reported: the check still runs
-    stray = _verify_cli(tmp_path, "--json")
-    assert stray.returncode == 1 and json.loads(stray.stdout)["checkpoints"][0]["unrecorded"] == ["stray.bin"]
+    stray = run_cli("verify", tmp_path, "--json")
+    assert stray.rc == 1 and stray.json()["checkpoints"][0]["unrecorded"] == ["stray.bin"]
 
 
 def test_verify_on_s3_ignores_the_in_progress_object_of_a_committed_save(s3_server, bucket):

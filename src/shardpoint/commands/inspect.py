@@ -11,11 +11,22 @@ and DCP's ``.metadata`` (restricted unpickler): never code. Locally tensor data 
 memory-mapped, not read; from ``s3://`` paths ``model_optim_rng.pt`` files are
 downloaded whole, so inspecting a large torch-format checkpoint there costs its size.
 Sizes are checked; checksums are ``shardpoint verify``'s job.
+
+A Megatron-LM (legacy ``torch``, ``torch_dist``) or DeepSpeed checkpoint directory,
+or a save directory of one, is described too, without converting it: tool, format,
+iteration, tp/pp/dp, optimizer sharding (distributed optimizer, ZeRO stage), the
+model's defining args and, with ``--tensors``, every parameter under its global name
+(global layer numbers, TP pieces joined) with the optimizer state it has. Its pickles
+go through the allow-list of :mod:`shardpoint.foreign`. Limit: those readers assemble
+whole tensors, so this reads every file of the checkpoint (optimizer state included)
+into memory; inspecting a large foreign checkpoint costs its size in RAM and time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from dataclasses import asdict
 from typing import Any
 
@@ -39,13 +50,14 @@ from shardpoint.integrity import verify_files
 from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.storage import Storage, open_storage
 
-__all__ = ["add_parser", "describe_directory", "read_common", "run"]
+__all__ = ["add_parser", "describe_directory", "describe_foreign", "read_common", "run"]
 
 EXAMPLES = """examples:
   shardpoint inspect runs/gpt                     # every checkpoint, the tracker's marked
   shardpoint inspect runs/gpt --iteration 200     # one checkpoint: metadata, config, training state
   shardpoint inspect runs/gpt/iter_0000200 --tensors --json
   shardpoint inspect s3://bucket/runs/gpt         # endpoint and credentials from AWS_* variables
+  shardpoint inspect /data/megatron/run1 --tensors   # a Megatron-LM or DeepSpeed checkpoint, read in place
 """
 
 
@@ -71,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
     out = Output(args)
     storage = open_storage(args.directory)
     path = storage.root
+    foreign_dir = _foreign_directory(path, args.iteration) if storage.is_local else None
+    if foreign_dir is not None:
+        return _show_foreign(out, path, foreign_dir, args.tensors)
     if args.iteration is not None or args.tensors or offline.is_checkpoint_dir(path, storage):
         return _show_one(out, storage, path, args.iteration, args.tensors)
     return _show_directory(out, storage, path)
@@ -297,3 +312,145 @@ def _sharding_text(info: offline.TensorInfo) -> str:
         return "whole"
     dims = ",".join(map(str, info.split_dims)) or "?"
     return f"{len(info.boxes)} pieces along dim {dims}"
+
+
+# ----------------------------------------------------------------- another tool's checkpoint
+
+# Megatron-LM's (and NeoX's) args that define the model, shown in this order when present.
+MODEL_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "seq_length",
+    "max_position_embeddings",
+    "vocab_size",
+    "padded_vocab_size",
+    "position_embedding_type",
+    "normalization",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
+    "params_dtype",
+    "bf16",
+    "fp16",
+)
+_TOOL_NAMES = {"megatron": "Megatron-LM", "deepspeed": "DeepSpeed"}
+_SHARDING_TEXT = {
+    None: "none (full state on every data-parallel rank)",
+    "distributed-optimizer": "distributed optimizer",
+}
+
+
+def _foreign_directory(path: str, iteration: int | None) -> str | None:
+    from shardpoint.foreign import find_foreign
+
+    return find_foreign(path, iteration)
+
+
+def describe_foreign(path: str, directory: str, tensors: bool = False) -> dict[str, Any]:
+    """A Megatron-LM or DeepSpeed checkpoint as plain data (what ``inspect --json`` prints).
+
+    Args:
+        path: what the user named (a save directory or the iteration directory).
+        directory: the iteration directory to read (:func:`shardpoint.foreign.find_foreign`).
+        tensors: also list every parameter: global name, shape, dtype, bytes, TP split dim,
+            and the names of its optimizer state.
+
+    Raises:
+        CheckpointError: the reader refuses the checkpoint (the message names file and reason).
+    """
+    from shardpoint.foreign import read_foreign
+
+    ckpt = read_foreign(directory)
+    files = [os.path.join(d, f) for d, _, names in os.walk(directory) for f in names]
+    model = {k: _plain(ckpt.args[k]) for k in MODEL_ARGS if ckpt.args.get(k) is not None}
+    if not ckpt.args.get("group_query_attention", True):
+        model.pop("num_query_groups", None)  # Megatron ignores it without --group-query-attention
+    siblings = sorted(n for n in os.listdir(path) if _ITERATION_DIR.fullmatch(n)) if path != directory else []
+    report = ckpt.describe() | {
+        "directory": directory,
+        "foreign": True,
+        "files": len(files),
+        "bytes": sum(os.path.getsize(f) for f in files),
+        "parameter_bytes": sum(t.numel() * t.element_size() for t in ckpt.params.values()),
+        "checkpoint_version": ckpt.extra.get("checkpoint_version"),
+        "model": model,
+        "args": ckpt.args,
+        "iterations_in_save_directory": siblings,
+        "tensors": None,
+    }
+    if tensors:
+        report["tensors"] = [
+            {
+                "key": name,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "bytes": t.numel() * t.element_size(),
+                "split_dim": ckpt.split_dims.get(name),
+                "optimizer_state": sorted(ckpt.optimizer.get(name, {})),
+            }
+            for name, t in ckpt.params.items()
+        ]
+    return report
+
+
+def _plain(value: Any) -> Any:
+    """An arg as a person reads it: ``{"__dtype__": "float32"}`` -> ``"float32"``."""
+    return value["__dtype__"] if isinstance(value, dict) and "__dtype__" in value else value
+
+
+_ITERATION_DIR = re.compile(r"iter_\d+|global_step\d+|release")
+
+
+def _show_foreign(out: Output, path: str, directory: str, tensors: bool) -> int:
+    report = describe_foreign(path, directory, tensors)
+    out.emit_json(report)
+    sharding = report["optimizer_sharding"]
+    text = _SHARDING_TEXT.get(sharding) or sharding.replace("zero-", "ZeRO stage ")
+    table = new_table("", "", title=directory)
+    rows = [
+        ("checkpoint of", f"{_TOOL_NAMES.get(report['tool'], report['tool'])}, read in place (not shardpoint's)"),
+        ("format", report["format"]),
+        ("iteration", str(report["iteration"])),
+        ("layout at save", f"tp={report['tp']} pp={report['pp']} dp={report['dp']}"),
+        ("optimizer sharding", text),
+        (
+            "parameters",
+            f"{report['parameters']} ({human_bytes(report['parameter_bytes'])}), "
+            f"{report['with_optimizer_state']} with optimizer state",
+        ),
+        ("files", f"{report['files']} ({human_bytes(report['bytes'])})"),
+        ("consumed samples", "-" if report["consumed_samples"] is None else str(report["consumed_samples"])),
+        ("checkpoint version", "-" if report["checkpoint_version"] is None else str(report["checkpoint_version"])),
+    ]
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/bold]", value)
+    out.print(table)
+    _print_mapping(out, "model", report["model"])
+    if report["tensors"]:
+        listing = new_table(
+            "tensor",
+            "global shape",
+            "dtype",
+            "bytes",
+            "tp split",
+            "optimizer state",
+            title=f"{len(report['tensors'])} parameters",
+        )
+        for row in report["tensors"]:
+            listing.add_row(
+                row["key"],
+                "x".join(map(str, row["shape"])) or "()",
+                row["dtype"],
+                human_bytes(row["bytes"]),
+                "-" if row["split_dim"] is None else f"dim {row['split_dim']}",
+                ", ".join(row["optimizer_state"]) or "-",
+            )
+        out.print(listing)
+    others = [n for n in report["iterations_in_save_directory"] if n != os.path.basename(directory)]
+    if others:
+        out.print(f"other checkpoints in {path}: {', '.join(others)} (pass --iteration N)")
+    out.print(f"import it with `shardpoint convert --from {report['tool']} {path} DST`")
+    return EXIT_OK

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from shardpoint.errors import CheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint
 from shardpoint.foreign.deepspeed import is_deepspeed_dir, read_deepspeed
-from shardpoint.foreign.megatron import is_legacy_dir, read_legacy
+from shardpoint.foreign.megatron import MODEL_FILE, is_legacy_dir, read_legacy
 from shardpoint.foreign.megatron_torch_dist import is_torch_dist_dir, read_torch_dist
 from shardpoint.offline import refuse_writing_into_source, write_checkpoint
 from shardpoint.offline._common import ProgressFn
@@ -97,7 +98,24 @@ def find_foreign(path: str | os.PathLike[str], iteration: int | None = None) -> 
         return None
     if any(os.path.exists(os.path.join(directory, n)) for n in (MARKER_NAME, IN_PROGRESS_NAME)):
         return None
-    return directory if detect(directory, strict=False) else None
+    kind = detect(directory, strict=False)
+    if kind == "megatron-torch" and not _holds_megatron_args(directory):
+        return None  # shardpoint's own torch format, its marker gone: shardpoint's tools explain that
+    return directory if kind else None
+
+
+def _holds_megatron_args(directory: str) -> bool:
+    """Whether the first ``model_optim_rng.pt`` pickles an ``argparse.Namespace`` (Megatron's args).
+
+    Only the pickle's global names are listed, nothing is built; shardpoint's own
+    ``torch`` format, laid out like Megatron's, pickles no class at all.
+    """
+    files = sorted(os.path.join(directory, n, MODEL_FILE) for n in os.listdir(directory) if n.startswith("mp_rank_"))
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(next(f for f in files if os.path.exists(f)))
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError):
+        return True  # unreadable: the reader names the damage
+    return "argparse.Namespace" in names
 
 
 def detect(directory: str, strict: bool = True) -> str | None:
