@@ -90,11 +90,11 @@ def test_node_lost_during_upload_restart_on_two_nodes_then_one(s3_server, bucket
     for before, after in zip(saved, restarted):
         assert after["loaded"]["iteration"] == 2
         assert_same_state(before["saves"][2], after["loaded"]["snapshot"])
-        opened = after["loaded"]["opened"]
-        if after["node_dir"] == dirs[0]:
-            assert opened["local"] > 0, opened  # node 0 read its own part from its disk
-        else:
-            assert opened["local"] == 0 and opened["remote"] > 0, opened
+        if after["node_dir"] == dirs[1]:
+            assert after["loaded"]["opened"]["local"] == 0 and after["loaded"]["opened"]["remote"] > 0
+    # node 0 read its own part from its disk (which of its ranks reads which file depends on the
+    # ranks c10d gave each node, which may differ from the save's)
+    assert sum(r["loaded"]["opened"]["local"] for r in restarted if r["node_dir"] == dirs[0]) > 0
 
     # fewer nodes, another layout (tp=1 dp=2 on one node): from the object store, resharded
     fewer = run_job([dirs[0]], 2, _args(1, 2, 2, 2, remote), tmp_path / "fewer", s3_server.env)
