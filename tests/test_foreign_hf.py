@@ -150,4 +150,5 @@ def test_cli_exports_through_the_import_and_in_place(batch, tmp_path):
         assert result.rc == 0, result.err
         report = result.json()
         assert (report["format"], report["vocab_size"], report["layers"]) == (fmt, VOCAB, LAYERS)
+        assert report["imported"] == (fmt == "torch")  # the dist checkpoint imported from legacy files
         close(hf_logits(tmp_path / fmt, batch["tokens"]), batch["logits"])

@@ -35,6 +35,7 @@ from shardpoint.commands._hf import hf_function
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes
 from shardpoint.commands.inspect import read_common
 from shardpoint.errors import CheckpointError
+from shardpoint.metadata import MARKER_NAME
 from shardpoint.state import MODEL_PREFIX
 from shardpoint.storage import open_storage
 
@@ -162,6 +163,7 @@ def _megatron_hf(out: Output, args: argparse.Namespace, ckpt: ForeignCheckpoint)
             "destination": written,
             "tool": ckpt.tool,
             "format": ckpt.format,
+            "imported": os.path.exists(os.path.join(ckpt.path, MARKER_NAME)),
             "iteration": ckpt.iteration,
             "layers": config["n_layer"],
             "vocab_size": config["vocab_size"],
@@ -171,10 +173,11 @@ def _megatron_hf(out: Output, args: argparse.Namespace, ckpt: ForeignCheckpoint)
             "dtype": config["torch_dtype"],
         }
     )
+    imported = os.path.exists(os.path.join(ckpt.path, MARKER_NAME))
+    what = f"{ckpt.path} (imported from Megatron-LM {ckpt.format})" if imported else f"Megatron-LM {ckpt.path}"
     out.print(
-        f"exported Megatron-LM {ckpt.format} checkpoint {ckpt.path} (iteration {ckpt.iteration}) to {written} "
-        f"(Hugging Face GPT2LMHeadModel: {config['n_layer']} layers, vocabulary {config['vocab_size']}, "
-        f"{config['activation_function']})"
+        f"exported {what}, iteration {ckpt.iteration}, to {written}: Hugging Face GPT2LMHeadModel, "
+        f"{config['n_layer']} layers, vocabulary {config['vocab_size']}, {config['activation_function']}"
     )
     return EXIT_OK
 
