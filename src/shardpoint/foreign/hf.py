@@ -48,7 +48,7 @@ from shardpoint.errors import CheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint
 from shardpoint.foreign.structure import qkv_to_separate
 
-__all__ = ["HF_CONFIG", "HF_WEIGHTS", "check_gpt2_like", "export_hf", "hf_config", "to_gpt2_state_dict"]
+__all__ = ["HF_CONFIG", "HF_WEIGHTS", "activation", "check_gpt2_like", "export_hf", "hf_config", "to_gpt2_state_dict"]
 
 log = logging.getLogger(__name__)
 
