@@ -98,10 +98,10 @@ def test_buffers_are_reused_across_saves(tmp_path):
     train(state)
     ckpt = sp.Checkpointer(tmp_path, async_save=True)
     ckpt.save(1, state)
-    first = {k: b.data_ptr() for k, b in ckpt._buffers._buffers.items()}
+    first = {k: b.data_ptr() for k, b in ckpt._saver.buffers._buffers.items()}
     train(state)
     ckpt.save(2, state)
-    assert {k: b.data_ptr() for k, b in ckpt._buffers._buffers.items()} == first
+    assert {k: b.data_ptr() for k, b in ckpt._saver.buffers._buffers.items()} == first
     ckpt.close()
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
 

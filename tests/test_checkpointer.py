@@ -195,6 +195,7 @@ def test_neox_layout_round_trip(tmp_path):
     for it in (10, 20, 30):
         train(state, 1)
         ckpt.save(it, state)
+    ckpt.wait()  # retention runs in the background
     assert (tmp_path / "latest").read_text() == "global_step30"
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step20", "global_step30"]
     fresh = make_state(4)
@@ -208,6 +209,7 @@ def test_retention_keep_last_and_keep_every(tmp_path):
     for it in range(100, 701, 100):
         assert ckpt.maybe_save(it, state)
         assert not ckpt.maybe_save(it + 50, state)
+    ckpt.wait()
     dirs = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_"))
     assert dirs == ["iter_0000200", "iter_0000400", "iter_0000600", "iter_0000700"]
 
@@ -218,6 +220,7 @@ def test_retention_keep_best_and_never_the_release(tmp_path):
     ckpt.save_release(state, update_tracker=False)
     for it, loss in [(1, 3.0), (2, 0.5), (3, 2.0), (4, 1.0)]:
         ckpt.save(it, state, metrics={"val_loss": loss})
+    ckpt.wait()
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert names == ["iter_0000002", "iter_0000004", "release"]
 

@@ -72,7 +72,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, fmt, point, rank):
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
-def _save_then_die_in_retention(rank: int, world: int, root: str, fmt: str):
+def _save_then_die_in_retention(rank: int, world: int, root: str, fmt: str, point: str):
     topo = sp.Topology(2, 1, 2)
     state = toy.build(topo, zero=True)
     ckpt = sp.Checkpointer(root, topology=topo, format=fmt, keep_last=1)
@@ -80,16 +80,35 @@ def _save_then_die_in_retention(rank: int, world: int, root: str, fmt: str):
     ckpt.save(1, state)
     toy.train_step(state, 2)
     torch.save(toy.snapshot(state), f"{root}/../committed_{rank}.pt")
-    os.environ["SHARDPOINT_FAULT"] = "point=during-retention,rank=0,action=kill"
+    os.environ["SHARDPOINT_FAULT"] = f"point={point},rank=0,action=kill"
     ckpt.save(2, state)
+    ckpt.wait()  # rank 0 dies here, in its background deletion
 
 
+@pytest.mark.parametrize("point", ["during-retention", "mid-retention"])
 @pytest.mark.parametrize("fmt", ["dist", "torch"])
-def test_kill_during_retention_keeps_the_new_checkpoint(tmp_path, fmt):
+def test_kill_during_retention_keeps_the_new_checkpoint(tmp_path, fmt, point):
     root = tmp_path / "run"
-    codes = launch(_save_then_die_in_retention, 4, str(root), fmt, expect_failure=True)
+    codes = launch(_save_then_die_in_retention, 4, str(root), fmt, point, expect_failure=True)
     assert codes[0] == -9, codes
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"  # committed before retention ran
+    if point == "mid-retention":  # iter 1 had stopped being a checkpoint before its files went
+        assert not (root / "iter_0000001").exists()
     resumed = launch(_resume, 4, str(root), fmt)
     assert {r["iteration"] for r in resumed} == {2}
     assert_resumed_from_committed(tmp_path, resumed)
+    assert not any(n.startswith(".shardpoint-tmp") for n in resumed[0]["entries"])
+
+
+def test_retention_runs_in_the_background(tmp_path, monkeypatch):
+    root = tmp_path / "run"
+    state = toy.build(sp.Topology(1, 1, 1))
+    ckpt = sp.Checkpointer(root, keep_last=1)
+    ckpt.save(1, state)
+    monkeypatch.setenv("SHARDPOINT_FAULT", "point=during-retention,rank=0,action=stall,seconds=3")
+    ckpt.save(2, state)
+    assert (root / "iter_0000001").exists()  # save() returned while the deletion was still stalled
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
+    ckpt.wait()
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000002"]
+    ckpt.close()

@@ -186,9 +186,11 @@ def test_failed_retention_does_not_fail_the_save(tmp_path, monkeypatch):
     ckpt.save(1, make_state())
     monkeypatch.setenv("SHARDPOINT_FAULT", "point=during-retention,rank=0,action=raise")
     ckpt.save(2, make_state())
+    ckpt.wait()
     assert (tmp_path / "iter_0000001").exists()  # retention skipped, with a warning
     monkeypatch.delenv("SHARDPOINT_FAULT")
     ckpt.save(3, make_state())
+    ckpt.wait()
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003"]
 
 
@@ -264,3 +266,26 @@ def test_pickle_payload_in_dcp_metadata_never_runs(tmp_path):
     # plain pickle would have run it: the payload is real
     pickle.loads((tmp_path / "iter_0000001" / ".metadata").read_bytes())
     assert evidence.exists()
+
+
+def test_a_failing_extra_writer_thread_fails_the_save(tmp_path, monkeypatch):
+    """DCP drops exceptions of its extra writer threads; the save must not commit without their tensors."""
+    from shardpoint.integrity import HashingWriter
+
+    real_write = HashingWriter.write
+
+    def write_failing_off_main_thread(self, data):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(28, "No space left on device")
+        return real_write(self, data)
+
+    ckpt = sp.Checkpointer(tmp_path, thread_count=2)
+    state = make_state()
+    ckpt.save(1, state)
+    monkeypatch.setattr(HashingWriter, "write", write_failing_off_main_thread)
+    with pytest.raises(sp.StorageError):
+        ckpt.save(2, state)
+    monkeypatch.undo()
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert not (tmp_path / "iter_0000002").exists()
+    assert sp.Checkpointer(tmp_path).load(make_state(3)).iteration == 1

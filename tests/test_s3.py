@@ -78,6 +78,7 @@ def test_retention_and_integrity_on_s3(s3_server, bucket):
     for it in (1, 2, 3):
         train(state, 1)
         ckpt.save(it, state)
+    ckpt.wait()
     fs = s3_filesystem()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root.removeprefix("s3://")))
     assert names == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]

@@ -30,6 +30,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from shardpoint import faults
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.layout import LAYOUTS, RELEASE, Layout
 from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
@@ -176,10 +177,12 @@ def retire(storage: Storage, root: str, name: str) -> None:
     if storage.supports_rename:
         doomed = storage.join(root, f"{TMP_PREFIX}retired-{name}-{secrets.token_hex(4)}")
         storage.publish_dir(path, doomed)
+        faults.hit("mid-retention", 0)
         storage.remove(doomed)
         return
     storage.write_atomic(storage.join(path, IN_PROGRESS_NAME), f"retiring {name}".encode())
     storage.remove(storage.join(path, MARKER_NAME))
+    faults.hit("mid-retention", 0)
     storage.remove(path)
 
 

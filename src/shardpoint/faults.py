@@ -5,7 +5,8 @@ itself with SIGKILL when its save reaches ``before-marker``. Several faults may 
 given separated by ``;``. Points, in the order a save reaches them:
 
 ``before-data``, ``mid-data``, ``after-data``, ``before-marker``, ``before-tracker``,
-``during-retention``; and in local-first mode ``during-upload`` (each rank's background
+``during-retention``, ``mid-retention`` (a checkpoint being deleted, after it stopped
+being one); and in local-first mode ``during-upload`` (each rank's background
 upload, before its first object).
 
 Actions: ``kill`` (SIGKILL, the process dies on the spot), ``raise`` (an OSError,
@@ -30,6 +31,7 @@ POINTS = (
     "before-marker",
     "before-tracker",
     "during-retention",
+    "mid-retention",
     "during-upload",
 )
 

@@ -77,5 +77,5 @@ class BackgroundRetention:
     def _run(self) -> None:
         try:
             self.removed += apply_retention(self.storage, self.root, self.layout, self.policies)
-        except Exception:  # noqa: BLE001 - a deletion must never fail training; the next run tries again
+        except Exception:  # a deletion must never fail training; the next run tries again
             log.exception("retention under %s failed; retrying after the next save", self.root)

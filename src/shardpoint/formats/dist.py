@@ -155,6 +155,7 @@ class _RecordingStreams:
     def __init__(self) -> None:
         super().__init__()
         self.records: dict[str, FileRecord] = {}
+        self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
     @contextmanager
@@ -163,10 +164,15 @@ class _RecordingStreams:
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as raw:
-            writer = HashingWriter(raw)
-            yield writer
-            writer.flush()
+        try:
+            with super().create_stream(path, mode) as raw:
+                writer = HashingWriter(raw)
+                yield writer
+                writer.flush()
+        except BaseException as exc:
+            with self._lock:
+                self.errors.append(exc)  # DCP's extra writer threads drop their exceptions; see _CompleteWrites
+            raise
         with self._lock:
             self.records[os.fspath(path)] = writer.record()
 
@@ -185,7 +191,28 @@ class HashingFsspecFileSystem(_RecordingStreams, FsspecFileSystem):
     """DCP's fsspec filesystem (uploads on close), recording what it writes."""
 
 
-class HashingFileSystemWriter(FileSystemWriter):
+class _CompleteWrites:
+    """Mixin for DCP writers: fail the save when any write item has no result.
+
+    With ``thread_count > 1`` DCP runs extra writer threads whose exceptions are lost:
+    their items silently have no storage record and the save "succeeds" without
+    them. Every item of this rank's plan must come back written, or the first error
+    any writer thread hit (a full disk becomes a StorageError upstream) is raised.
+    """
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        written = {result.index for result in future.value()}
+        missing = [item.index.fqn for item in plan.items if item.index not in written]
+        if missing:
+            errors = self.fs.errors
+            if errors:
+                raise errors[0]
+            raise CheckpointError(f"{len(missing)} tensor(s) were not written, e.g. {missing[:3]}; nothing committed")
+        return future
+
+
+class HashingFileSystemWriter(_CompleteWrites, FileSystemWriter):
     """DCP's FileSystemWriter whose files are checksummed while they are written."""
 
     def __init__(self, path: str, **kwargs: Any):
@@ -198,7 +225,7 @@ class HashingFileSystemWriter(FileSystemWriter):
         return {os.path.relpath(p, root): r for p, r in self.fs.records.items()}
 
 
-class HashingFsspecWriter(FsspecWriter):
+class HashingFsspecWriter(_CompleteWrites, FsspecWriter):
     """DCP's FsspecWriter (object storage) with checksums computed while uploading."""
 
     def __init__(self, path: str, **kwargs: Any):

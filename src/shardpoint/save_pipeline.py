@@ -1,0 +1,380 @@
+"""How one save travels from collected state to a committed checkpoint (the mechanism behind ``save``).
+
+Every rank runs the same sequence (see :mod:`shardpoint.commit` for why it is safe)::
+
+    compare replicas -> rank 0 creates a temporary directory -> every rank writes and
+    checksums its files -> ranks agree on the outcome -> rank 0 writes shardpoint.json,
+    renames the directory into place, replaces the tracker -> retention (background)
+
+A synchronous save runs it all in :meth:`SavePipeline.start`. An asynchronous save
+snapshots the state into reused host buffers, runs the writes on a background thread
+(with a process group of its own), and :meth:`SavePipeline.finalize` commits once
+every rank reports its writes done. Deleting old checkpoints never happens inside
+``save``: it runs on a worker after the commit, and the next commit waits for it.
+
+Each step that can fail locally runs under :func:`shardpoint._comm.agree`, so a
+failure on one rank is raised on all ranks instead of leaving the others waiting in
+a collective. Policy (when to save, what to keep) stays with the Checkpointer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardpoint import _comm, commit, faults
+from shardpoint._version import __version__
+from shardpoint.async_save import BackgroundWrite, SnapshotBuffers
+from shardpoint.errors import StorageError
+from shardpoint.formats import FormatContext
+from shardpoint.formats.base import CheckpointFormat, write_torch_file
+from shardpoint.layout import Layout
+from shardpoint.lock import DirectoryLock
+from shardpoint.metadata import CheckpointMetadata
+from shardpoint.policy import PreservationPolicy
+from shardpoint.replicas import check_replicas
+from shardpoint.retention import BackgroundRetention
+from shardpoint.state import FlatState
+from shardpoint.storage import Storage, as_storage_error
+from shardpoint.topology import Topology
+
+__all__ = ["VALIDATION_FILE", "SavePipeline", "SaveTimes"]
+
+log = logging.getLogger(__name__)
+
+VALIDATION_FILE = "validation_logits.pt"
+
+
+@dataclass
+class SaveTimes:
+    """What saves cost, for trainers that keep saving time out of their throughput."""
+
+    last_stall_seconds: float = 0.0  # async: how long save() kept training waiting
+    last_background_seconds: float = 0.0  # async: the background write
+    last_save_seconds: float = 0.0  # from save() to commit
+    total_save_seconds: float = 0.0
+    last_save_time: float = field(default_factory=time.time)  # wall clock of the last commit
+
+
+@dataclass
+class _PendingSave:
+    """A save between its start and its commit (the whole of it for sync saves)."""
+
+    iteration: int | None
+    final: str
+    flat: FlatState
+    metrics: dict[str, float]
+    extra: dict[str, Any]
+    update_tracker: bool
+    start: float = field(default_factory=time.perf_counter)
+    ctx: FormatContext | None = None  # set once the temporary directory exists
+    needed: int = 0
+    writer: BackgroundWrite | None = None
+    attachments: dict[str, Any] = field(default_factory=dict)  # extra files this rank writes (validation logits)
+    check_replicas: bool = True  # compare declared replicas by hash (optimizer scalars are always compared)
+
+
+class SavePipeline:
+    """Writes and commits saves into one save directory; one save in flight at a time.
+
+    Args:
+        storage: where the save directory lives; ``root`` is its path there.
+        layout, fmt, topology, config: what the checkpoint looks like and records.
+        preservation: retention policies, applied after each commit in the background.
+        thread_count: writer threads per rank.
+        replica_check_interval: see :class:`~shardpoint.checkpointer.Checkpointer`.
+        async_save: snapshot and write in the background.
+        node: the node-local view (``upload_to`` with unshared local disks), or None.
+        mirror: the object-store mirror of ``upload_to``, or None.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        root: str,
+        *,
+        layout: Layout,
+        fmt: CheckpointFormat,
+        topology: Topology,
+        config: dict[str, Any],
+        preservation: Sequence[PreservationPolicy],
+        thread_count: int,
+        replica_check_interval: int,
+        async_save: bool,
+        node: Any = None,
+        mirror: Any = None,
+    ):
+        self.storage, self.root, self.layout, self.format = storage, root, layout, fmt
+        self.topology, self.config, self.preservation = topology, config, list(preservation)
+        self.thread_count, self.replica_check_interval = thread_count, replica_check_interval
+        self.node, self.mirror = node, mirror
+        self.times = SaveTimes()
+        self.buffers = SnapshotBuffers()
+        self._async_group = _comm.new_group() if async_save else None
+        self._pending: _PendingSave | None = None
+        self._saves_started = 0
+        self.owns_dir = node.is_leader if node else _comm.rank() == 0  # creates, commits, cleans
+        # object stores have no flock: one writer per prefix is the user's to ensure there
+        self._lock = DirectoryLock(root) if storage.is_local else None
+        self._cleaned = False
+        self._retention = BackgroundRetention(storage, root, layout, self.preservation)
+        if self.owns_dir and self._lock is not None and storage.is_dir(root):
+            self._clean_leftovers_if_unlocked()
+
+    # ------------------------------------------------------------ public steps
+    def start(
+        self,
+        iteration: int | None,
+        flat: FlatState,
+        metrics: Mapping[str, float],
+        extra: Mapping[str, Any],
+        *,
+        update_tracker: bool = True,
+        background: bool = False,
+        attachments: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Collective: write ``flat`` (and commit it, unless ``background``); returns the final directory."""
+        flat.common["config"] = self.config
+        name = self.layout.dir_name(iteration)
+        pending = _PendingSave(
+            iteration, self.storage.join(self.root, name), flat, dict(metrics), dict(extra), update_tracker
+        )
+        interval = self.replica_check_interval
+        pending.check_replicas = interval > 0 and self._saves_started % interval == 0
+        self._saves_started += 1
+        pending.attachments = {k: _detached_copy(v) for k, v in (attachments or {}).items()}
+        if background:
+            pending.flat = self.buffers.snapshot(flat)
+            pending.writer = BackgroundWrite(lambda: self._open_and_write(pending, self._async_group)).start()
+            self._pending = pending
+            return pending.final
+        try:
+            records: Any = self._open_and_write(pending, None)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - agreed on and re-raised on every rank by _finish
+            records, error = None, exc
+        return self._finish(pending, records, error)
+
+    def finalize(self, blocking: bool) -> None:
+        """Commit the pending async save once every rank's writes are done (``blocking``: wait for them)."""
+        pending = self._pending
+        if pending is None or pending.writer is None:
+            return
+        if blocking:
+            pending.writer.wait()
+        elif not all(_comm.all_gather(pending.writer.done())):
+            return
+        pending.writer.wait()
+        self._pending = None
+        self.times.last_background_seconds = pending.writer.seconds
+        self._finish(pending, pending.writer.result, pending.writer.error)
+        log.info("async save %s committed; background write took %.2f s", pending.final, pending.writer.seconds)
+
+    def wait_deletions(self) -> None:
+        """Block until the background deletion of old checkpoints, if any, is finished."""
+        self._retention.wait()
+
+    def close(self) -> None:
+        """Wait for background deletions and release the directory's writer lock (after :meth:`finalize`)."""
+        try:
+            self._retention.wait()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    # ------------------------------------------------------------------ steps
+    def _open_and_write(self, pending: _PendingSave, group: Any) -> dict[str, Any]:
+        """Collective over ``group``: rank 0 creates the temporary directory, then every rank writes.
+
+        Runs on the background thread for async saves, with a group of its own, so the
+        trainer's collectives never interleave with these.
+        """
+        rank = _comm.rank()
+        name = self.layout.dir_name(pending.iteration)
+        replicas = _comm.agree(
+            lambda: check_replicas(pending.flat, group, check_declared=pending.check_replicas),
+            "comparing replicated tensors",
+            group,
+        )
+        pending.needed = replicas.deduplicated_bytes
+        if self.node is not None:  # each node's leader creates its own
+            tmp = self.node.begin(lambda: self._begin(name, pending.needed), group)
+        else:
+            tmp = _comm.broadcast(
+                _comm.agree(
+                    lambda: self._begin(name, pending.needed) if rank == 0 else None,
+                    "preparing the checkpoint directory",
+                    group,
+                ),
+                group=group,
+            )
+        pending.ctx = FormatContext(
+            self.storage,
+            tmp,
+            self.topology,
+            thread_count=self.thread_count,
+            distributed_optimizer=pending.flat.common.get("distributed_optimizer", False),
+            process_group=group,
+        )
+        return self._write_files(pending)
+
+    def _finish(self, pending: _PendingSave, records: Any, error: BaseException | None) -> str:
+        """Collective: agree on the outcome of the writes, then rank 0 commits and starts retention."""
+        rank = _comm.rank()
+        tmp = pending.ctx.directory if pending.ctx is not None else None
+
+        def outcome() -> Any:
+            if error is not None:
+                raise error
+            return records
+
+        try:
+            records = _comm.agree(outcome, "writing checkpoint data")
+            all_records = _comm.gather_to(records, 0)
+            seconds = time.perf_counter() - pending.start
+            meta = self._metadata(pending.iteration, all_records, pending.metrics, pending.extra, seconds)
+            if self.node is not None:  # node parts, no local tracker; the remote commit follows the upload
+                self.node.commit(tmp, pending.final, records, meta, self.preservation)
+            else:
+                _comm.agree(
+                    lambda: self._commit(tmp, pending.final, meta, pending.update_tracker) if rank == 0 else None,
+                    "committing the checkpoint",
+                )
+        except BaseException:
+            if self.owns_dir and tmp is not None:
+                self.storage.remove(tmp)
+            raise
+        if rank == 0 and self.node is None:
+            self._retention.start()
+        self._record_timing(pending.start, meta, pending.final)
+        if self.mirror is not None:
+            marker = meta.to_json().encode()
+            self.mirror.start(pending.final, list(records), pending.iteration, marker, pending.update_tracker)
+        return pending.final
+
+    def _clean_leftovers_if_unlocked(self) -> None:
+        """Remove partial saves of dead jobs, unless a live job owns the directory (its saves are not ours).
+
+        Without a lock (object storage) only a job that saves cleans, at its first save:
+        a job that only loads must not delete another job's save in progress.
+        """
+        if self._lock.try_acquire():
+            try:
+                commit.clean_leftovers(self.storage, self.root)
+            finally:
+                self._lock.release()
+
+    def _begin(self, name: str, needed: int) -> str:
+        if self._lock is not None and not self._lock.held:
+            self._lock.acquire()
+            commit.clean_leftovers(self.storage, self.root)
+        elif self._lock is None and not self._cleaned:
+            commit.clean_leftovers(self.storage, self.root)
+        self._cleaned = True
+        free = self.storage.free_bytes(self.root)
+        if free is not None and needed > free:
+            raise StorageError(
+                f"not enough space to save {name} under {self.root}: about {needed / 1e9:.2f} GB needed, "
+                f"{free / 1e9:.2f} GB free; free space, lower keep_last, or save elsewhere"
+            )
+        return commit.begin(self.storage, self.root, name)
+
+    def _write_files(self, pending: _PendingSave) -> dict[str, Any]:
+        """This rank's files and their records (runs on the background thread for async saves)."""
+        rank = _comm.rank()
+        ctx = pending.ctx
+        try:
+            faults.hit("before-data", rank)
+            records = self.format.save(ctx, pending.flat)
+            for name, obj in pending.attachments.items():
+                records[name] = write_torch_file(obj, self.storage.join(ctx.directory, name), self.storage)
+            faults.hit("mid-data", rank)
+            faults.hit("after-data", rank)
+        except (OSError, RuntimeError) as exc:
+            storage_error = as_storage_error(exc, ctx.directory, pending.needed)
+            if storage_error is None:
+                raise
+            raise storage_error from exc
+        return records
+
+    def _metadata(
+        self,
+        iteration: int | None,
+        all_records: Sequence[dict] | None,
+        metrics: Mapping[str, float],
+        extra: Mapping[str, Any],
+        seconds: float,
+    ) -> CheckpointMetadata:
+        files = {k: v for records in (all_records or []) for k, v in records.items()}
+        return CheckpointMetadata(
+            iteration=iteration or 0,
+            format=self.format.name,
+            topology=self.topology.describe(),
+            release=iteration is None,
+            layout=self.layout.name,
+            config=self.config,
+            files=files,
+            consumed_samples=_optional_int(extra.get("consumed_samples")),
+            flops=_optional_float(extra.get("flops")),
+            metrics=_finite_metrics(metrics),
+            validation_logits=VALIDATION_FILE if VALIDATION_FILE in files else None,
+            wall_time=time.time(),
+            save_seconds=seconds,
+            library_version=__version__,
+        )
+
+    def _commit(self, tmp: str, final: str, meta: CheckpointMetadata, update_tracker: bool) -> None:
+        """Rank 0: marker, rename, tracker; a deletion still running from the last save is waited for first."""
+        self._retention.wait()
+        faults.hit("before-marker", 0)
+        commit.publish(self.storage, tmp, final, meta)
+        faults.hit("before-tracker", 0)
+        if update_tracker:
+            commit.write_tracker(self.storage, self.root, self.layout, None if meta.release else meta.iteration)
+
+    def _record_timing(self, start: float, meta: CheckpointMetadata, final: str) -> None:
+        times = self.times
+        times.last_save_seconds = time.perf_counter() - start
+        times.total_save_seconds += times.last_save_seconds
+        times.last_save_time = time.time()
+        if _comm.rank() == 0:
+            gb = meta.total_bytes / 1e9
+            log.info(
+                "saved %s (%s format, %.3f GB) in %.2f s, %.2f GB/s",
+                final,
+                meta.format,
+                gb,
+                times.last_save_seconds,
+                gb / max(times.last_save_seconds, 1e-9),
+            )
+
+
+def _detached_copy(value: Any) -> Any:
+    """Attachments are written later (async saves): keep what they were at the call."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, Mapping):
+        return {k: _detached_copy(v) for k, v in value.items()}
+    return value
+
+
+def _finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Metrics as stored in JSON; a NaN or infinite one (a diverging run) is dropped, never the save."""
+    kept = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+    if len(kept) < len(metrics):
+        log.warning("not recording non-finite metrics %s", sorted(set(metrics) - set(kept)))
+    return kept
+
+
+def _optional_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _optional_float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
