@@ -169,3 +169,23 @@ def test_bench_reports_upload_and_download_against_the_server(s3_server, bucket)
         assert rows[name]["median_s"] > 0 and rows[name]["gb_per_s"] > 0
     assert "dcp save" not in rows  # the local-file baselines are not run against object storage
     assert not s3_filesystem().ls(bucket.removeprefix("s3://"))  # cleaned up
+
+
+def test_a_dead_upload_is_cleaned_and_a_foreign_prefix_is_not(s3_server, bucket, tmp_path, monkeypatch):
+    remote = f"{bucket}/mirror"
+    fs = s3_filesystem()
+    base = remote.removeprefix("s3://")
+    fs.pipe_file(f"{base}/global_step7/mp_rank_00_model_states.pt", b"another tool's checkpoint")
+    state = make_state()
+    ckpt = sp.Checkpointer(tmp_path / "local", upload_to=remote)
+    ckpt.mirror.max_attempts = 1
+    monkeypatch.setenv("SHARDPOINT_FAULT", "point=during-upload,rank=0,action=raise")
+    ckpt.save(1, state)
+    with pytest.raises(sp.StorageError):
+        ckpt.wait()  # the upload died after marking its prefix, before any data
+    monkeypatch.delenv("SHARDPOINT_FAULT")
+    assert fs.exists(f"{base}/iter_0000001/.shardpoint-in-progress")
+    ckpt.close()
+    sp.Checkpointer(tmp_path / "local2", upload_to=remote).close()  # a new job cleans what the dead upload left
+    assert not fs.exists(f"{base}/iter_0000001")
+    assert fs.cat_file(f"{base}/global_step7/mp_rank_00_model_states.pt") == b"another tool's checkpoint"

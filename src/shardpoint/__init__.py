@@ -18,6 +18,7 @@ from shardpoint.errors import (
     UnsafeCheckpointError,
     ValidationError,
 )
+from shardpoint.node_local import NodeLocalError, PartialCheckpointError
 from shardpoint.policy import BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN
 from shardpoint.sharding import RankLocal, Shard, column_parallel, divide, row_parallel, shard_along, vocab_parallel
 from shardpoint.state import TrainState
@@ -35,6 +36,8 @@ __all__ = [
     "LatestN",
     "LoadResult",
     "MissingKeysError",
+    "NodeLocalError",
+    "PartialCheckpointError",
     "RankLocal",
     "ReplicaMismatchError",
     "Shard",

@@ -93,6 +93,10 @@ class RemoteMirror:
             # committed before its objects are overwritten; the new marker comes last
             self.storage.remove(self.storage.join(self.root, upload.name, MARKER_NAME))
         copied = 0
+        # every rank marks the prefix as a shardpoint save in progress before its first object, so an
+        # upload that dies is removed by clean_leftovers (and nothing another tool wrote ever is)
+        note = self.storage.join(self.root, upload.name, commit.IN_PROGRESS_NAME)
+        self.storage.write_atomic(note, f"upload of {upload.name}".encode())
         faults.hit("during-upload", _comm.rank())
         for name in upload.files:
             source = self.local.join(upload.local_dir, name)
@@ -144,7 +148,9 @@ class RemoteMirror:
 
     def _commit(self, upload: _Upload) -> None:
         """Rank 0: marker after every data object, tracker after the marker, then remote retention."""
-        self.storage.write_atomic(self.storage.join(self.root, upload.name, MARKER_NAME), upload.marker)
+        prefix = self.storage.join(self.root, upload.name)
+        self.storage.write_atomic(self.storage.join(prefix, MARKER_NAME), upload.marker)
+        self.storage.remove(self.storage.join(prefix, commit.IN_PROGRESS_NAME))
         if upload.update_tracker:
             commit.write_tracker(self.storage, self.root, self.layout, upload.iteration)
         apply_retention(self.storage, self.root, self.layout, self.policies)
