@@ -108,8 +108,8 @@ class Checkpointer:
         config: the model's defining arguments, stored as JSON and compared on load.
         allow_config_mismatch: config keys that may differ between save and load.
         verify: check file checksums on load (sizes are always checked).
-        thread_count: writer threads per rank for the ``dist`` format (default: twice the
-            cores, at most 4; writes wait on the disk more than on the CPU).
+        thread_count: writer and reader threads per rank for the ``dist`` format
+            (default: twice the cores, at most 4; I/O waits on the disk more than on the CPU).
         upload_to: local-first mode: after each local commit, copy the checkpoint to
             this ``s3://`` prefix in the background and move the remote tracker when the
             upload is complete (see :mod:`shardpoint.upload`).
@@ -178,6 +178,7 @@ class Checkpointer:
         self.allow_config_mismatch = set(allow_config_mismatch)
         self.verify = verify
         self.async_save = async_save
+        self.thread_count = thread_count or default_thread_count()
         self.last_saved_iteration: int | None = None
         self.mirror = RemoteMirror(upload_to, self.layout, self.preservation) if upload_to else None
         self._node = detect_nodes(self.storage, self.root, self.layout, node_local, self.mirror is not None)
@@ -191,7 +192,7 @@ class Checkpointer:
             topology=self.topology,
             config=self.config,
             preservation=self.preservation,
-            thread_count=thread_count or default_thread_count(),
+            thread_count=self.thread_count,
             replica_check_interval=replica_check_interval,
             async_save=async_save,
             node=self._node,
@@ -357,7 +358,13 @@ class Checkpointer:
         finetune = finetune or meta.release
         fmt = get_format(meta.format)
         ctx = FormatContext(
-            storage, path, self.topology, strict=strict, optimizer_reshard=optimizer_reshard, rename=rename
+            storage,
+            path,
+            self.topology,
+            strict=strict,
+            thread_count=self.thread_count,
+            optimizer_reshard=optimizer_reshard,
+            rename=rename,
         )
         # every file some rank reads, split over all ranks (each rank's own list may differ: torch format)
         files = sorted(set().union(*_comm.all_gather(fmt.files_to_read(ctx, meta))))
