@@ -226,6 +226,12 @@ class Methods:
         ckpt.save(self._iteration, state)
         return ckpt
 
+    def settle(self) -> None:
+        """Let shardpoint's background deletions finish (untimed), so they never land in the next measurement."""
+        for ckpt in getattr(self, "_ckpts", {}).values():
+            ckpt.wait()
+        dist.barrier()
+
     def replica_hash(self) -> None:
         """What the replica check costs when every byte is replicated (pure data parallel): hash it all."""
         from shardpoint.replicas import fingerprint
@@ -307,6 +313,7 @@ def _main_rounds(m: Methods, repeat: int) -> dict[str, list[float]]:
         for pair in pairs[shift:] + pairs[:shift]:
             for name, fn in pair:
                 times.setdefault(name, []).append(_timed(fn))
+                m.settle()
     return times
 
 
