@@ -66,10 +66,10 @@ class RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def load_dcp_metadata(data: bytes, where: str) -> Any:
-    """Unpickle DCP's ``.metadata`` with :class:`RestrictedUnpickler`."""
+def load_dcp_metadata(data: bytes, where: str, unpickler: type[RestrictedUnpickler] | None = None) -> Any:
+    """Unpickle DCP's ``.metadata`` with :class:`RestrictedUnpickler` (or a stricter-or-wider subclass)."""
     try:
-        return RestrictedUnpickler(io.BytesIO(data), where).load()
+        return (unpickler or RestrictedUnpickler)(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file

@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 import shardpoint as sp
 from shardpoint import commit
 from shardpoint.demo.procs import free_port
-from shardpoint.demo.report import PhaseReport, compare_losses, plot_losses
+from shardpoint.demo.report import PhaseReport, compare_losses, phase_progress, plot_losses
 from shardpoint.demo.trainer import TrainConfig
 from shardpoint.layout import get_layout
 from shardpoint.storage import open_storage
@@ -211,15 +211,7 @@ def run_cluster_demo(
     node_dirs = [os.path.join(node_root, f"node{k}") for k in range(nnodes)]
     run_remote = storage.join(storage.root, "run")
     n, problems = settings.iters, []
-    progress = Progress(
-        TextColumn("{task.description:<26}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not (show_progress and console.is_terminal),
-    )
+    progress = phase_progress(console, show_progress, width=26)
     tracker = get_layout("megatron")
 
     def committed_remotely(losses: dict[int, float]) -> bool:

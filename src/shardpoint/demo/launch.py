@@ -35,14 +35,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 import shardpoint as sp
 from shardpoint import commit
 from shardpoint.demo.cluster import loopback_s3, run_cluster_demo
 from shardpoint.demo.model import GPTConfig
 from shardpoint.demo.procs import RunOutcome, run_ranks
-from shardpoint.demo.report import PhaseReport, compare_losses, plot_losses, render_table, summary_json
+from shardpoint.demo.report import PhaseReport, compare_losses, phase_progress, plot_losses, render_table, summary_json
 from shardpoint.demo.trainer import StepInfo, TrainConfig
 from shardpoint.layout import get_layout
 from shardpoint.storage import Storage, open_storage
@@ -203,15 +203,7 @@ def run_demo(
     _prepare_directories(places)
     n = settings.iters
     stop_after, problems = max(1, n // 3), []
-    progress = Progress(
-        TextColumn("{task.description:<22}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not (show_progress and console.is_terminal),
-    )
+    progress = phase_progress(console, show_progress, width=22)
     with progress:
         reference = _reference_phase(settings, storage, root, out, progress)
         run_dir = storage.join(root, "run")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -129,3 +130,18 @@ def plot_losses(phases: Sequence[PhaseReport], reference: Mapping[int, float], p
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def phase_progress(console: Any, show: bool, width: int = 22) -> Any:
+    """The demo's progress bars: one per phase, with its loss; quiet when not a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn(f"{{task.description:<{width}}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not (show and console.is_terminal),
+    )

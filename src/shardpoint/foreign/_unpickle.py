@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from shardpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
-from shardpoint.safe_io import RestrictedUnpickler
+from shardpoint.safe_io import RestrictedUnpickler, load_dcp_metadata
 
 __all__ = [
     "ALLOWED",
@@ -247,12 +247,7 @@ class _TorchDistMetadataUnpickler(RestrictedUnpickler):
 
 def load_dcp_metadata_foreign(data: bytes, where: str) -> Any:
     """Unpickle a megatron-core ``torch_dist`` ``.metadata`` with the restricted unpickler."""
-    try:
-        return _TorchDistMetadataUnpickler(io.BytesIO(data), where).load()
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CorruptCheckpointError(f"{where} cannot be read ({type(exc).__name__}: {exc})") from None
+    return load_dcp_metadata(data, where, _TorchDistMetadataUnpickler)
 
 
 class _ForeignPickler(pickle._Pickler):  # type: ignore[name-defined]
