@@ -126,6 +126,7 @@ def test_too_big_save_is_refused_before_writing(small_fs, fmt):
     assert sorted(os.listdir(root)) == [".shardpoint.lock", "iter_0000001", "latest_checkpointed_iteration.txt"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # DCP writer threads
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_disk_filling_up_mid_save_loses_nothing(small_fs, fmt, monkeypatch):
     root = small_fs / "run"
@@ -268,6 +269,7 @@ def test_pickle_payload_in_dcp_metadata_never_runs(tmp_path):
     assert evidence.exists()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # DCP writer threads
 def test_a_failing_extra_writer_thread_fails_the_save(tmp_path, monkeypatch):
     """DCP drops exceptions of its extra writer threads; the save must not commit without their tensors."""
     from shardpoint.integrity import HashingWriter
