@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -109,3 +110,24 @@ def test_buffers_are_reused_across_saves(tmp_path):
 def test_async_requires_dist_format(tmp_path):
     with pytest.raises(ValueError, match="format='dist'"):
         sp.Checkpointer(tmp_path, async_save=True, format="torch")
+
+
+def _commit_waits_for_the_slow_rank(rank: int, world: int, root: str):
+    os.environ["SHARDPOINT_FAULT"] = "point=mid-data,rank=1,action=stall,seconds=4"
+    state = toy.build(sp.Topology(1, 1, world), zero=False)
+    ckpt = sp.Checkpointer(root, async_save=True, save_interval=100)
+    ckpt.save(1, state)
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    while rank == 0 and not ckpt._saver._pending.writer.done():
+        time.sleep(0.05)
+    ckpt.maybe_save(2, state)  # rank 0's write is done, rank 1's is not: nothing may be committed
+    before = os.path.exists(tracker)
+    ckpt.close()  # waits for rank 1, then commits
+    with open(tracker) as f:
+        return {"committed_early": before, "after": f.read()}
+
+
+def test_async_commit_waits_for_every_rank(tmp_path):
+    results = launch(_commit_waits_for_the_slow_rank, 2, str(tmp_path / "run"))
+    assert [r["committed_early"] for r in results] == [False, False]
+    assert [r["after"] for r in results] == ["1", "1"]

@@ -313,3 +313,23 @@ def test_validation_logits_are_stored_checksummed_and_returned(tmp_path, async_s
     no_logits = sp.Checkpointer(tmp_path / "plain")
     no_logits.save(1, state)
     assert sp.Checkpointer(tmp_path / "plain").load(make_state(3)).read_validation_logits() is None
+
+
+def test_retention_never_deletes_the_checkpoint_the_tracker_names(tmp_path):
+    from shardpoint import commit
+    from shardpoint.layout import get_layout
+    from shardpoint.policy import LatestN
+    from shardpoint.retention import apply_retention
+    from shardpoint.storage import open_storage
+
+    state = make_state()
+    ckpt = sp.Checkpointer(tmp_path)
+    for it in (1, 2, 3):
+        ckpt.save(it, state)
+    ckpt.close()
+    storage, layout = open_storage(tmp_path), get_layout("megatron")
+    commit.write_tracker(storage, str(tmp_path), layout, 1)  # a rollback: the tracker names the oldest
+    removed = apply_retention(storage, str(tmp_path), layout, [LatestN(1)])
+    assert removed == ["iter_0000002"]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000001", "iter_0000003"]
+    assert sp.Checkpointer(tmp_path).load(make_state(2)).iteration == 1

@@ -189,3 +189,25 @@ def test_a_dead_upload_is_cleaned_and_a_foreign_prefix_is_not(s3_server, bucket,
     sp.Checkpointer(tmp_path / "local2", upload_to=remote).close()  # a new job cleans what the dead upload left
     assert not fs.exists(f"{base}/iter_0000001")
     assert fs.cat_file(f"{base}/global_step7/mp_rank_00_model_states.pt") == b"another tool's checkpoint"
+
+
+def test_crafted_pickle_through_the_s3_reader_never_runs(s3_server, bucket, tmp_path):
+    import pickle
+
+    import xxhash
+
+    from tests.test_reliability import Exploit
+
+    root = f"{bucket}/crafted"
+    sp.Checkpointer(root).save(1, make_state())
+    fs = s3_filesystem()
+    prefix = f"{root.removeprefix('s3://')}/iter_0000001"
+    evidence = tmp_path / "pwned"
+    crafted = pickle.dumps(Exploit(str(evidence)))
+    fs.pipe_file(f"{prefix}/.metadata", crafted)
+    marker = json.loads(fs.cat_file(f"{prefix}/shardpoint.json"))  # the attacker makes the marker vouch for it
+    marker["files"][".metadata"] = {"size": len(crafted), "xxh3_64": xxhash.xxh3_64(crafted).hexdigest()}
+    fs.pipe_file(f"{prefix}/shardpoint.json", json.dumps(marker).encode())
+    with pytest.raises(sp.UnsafeCheckpointError, match=r"\.metadata asks to load posix.system"):
+        sp.Checkpointer(root).load(make_state())
+    assert not evidence.exists()
