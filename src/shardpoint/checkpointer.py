@@ -341,6 +341,7 @@ class Checkpointer:
         if optimizer_reshard not in RESHARD_POLICIES:
             raise ValueError(f"optimizer_reshard must be one of {RESHARD_POLICIES}, got {optimizer_reshard!r}")
         self._finalize(blocking=True)
+        self._saver.wait_deletions()  # a load may name an old iteration that retention is deleting
         verify = self.verify if verify is None else verify
         rank = _comm.rank()
         found = _comm.broadcast(
