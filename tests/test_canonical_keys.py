@@ -171,3 +171,25 @@ def test_inspect_shows_canonical_names_of_a_prefixed_checkpoint(tmp_path, fmt):
     tensors = read_full(str(tmp_path / name)).tensors
     assert "model.0.weight" in tensors and "optimizer.state.2.bias.exp_avg" in tensors
     assert not any("module" in k or "_orig_mod" in k for k in tensors)
+
+
+class _HoldsModule(torch.nn.Module):
+    """An ordinary model whose only child is named ``module`` (EMA and LoRA wrappers look like this)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.module = torch.nn.Linear(4, 2)
+
+
+def test_a_child_named_module_is_not_mistaken_for_ddp(tmp_path):
+    from shardpoint import offline
+
+    saved = _HoldsModule(seed=0)
+    sp.Checkpointer(tmp_path / "run").save(1, sp.TrainState(saved))
+    assert "model.module.weight" in offline.read_full(str(tmp_path / "run")).tensors
+    offline.convert(str(tmp_path / "run"), str(tmp_path / "torch"), format="torch")
+    for root in ("run", "torch"):
+        fresh = _HoldsModule(seed=1)
+        sp.Checkpointer(tmp_path / root).load(sp.TrainState(fresh))
+        assert torch.equal(fresh.module.weight, saved.module.weight), root

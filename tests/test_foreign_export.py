@@ -135,3 +135,13 @@ def test_cli_imports_and_exports_with_real_subprocesses(tmp_path):
     assert_same(rank_file(tmp_path / "tp1", "mp_rank_00")["model"], rank_file(REAL_TP1, "mp_rank_00")["model"])
     wrong = run_cli("convert", "--from", "deepspeed", FIXTURES / "megatron-legacy-tp1" / "ckpt", tmp_path / "x")
     assert wrong.returncode != 0 and "not deepspeed" in wrong.stderr
+
+
+def test_export_never_rewinds_a_newer_run_in_the_target(tmp_path):
+    from shardpoint.errors import CheckpointError
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("500")  # another run, further along
+    with pytest.raises(CheckpointError, match="rewind"):
+        export_megatron(read_foreign(FIXTURES / "megatron-legacy-tp2" / "ckpt"), tmp_path, tp=1, pp=1)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "500"
+    assert not (tmp_path / STEP).exists()

@@ -208,3 +208,22 @@ def test_replicas_that_differ_stop_the_save_and_rank_local_values_survive(tmp_pa
     storage = open_storage(root)
     assert read_tracker(storage, root, get_layout("megatron")) == (True, 1)
     assert not storage.exists(storage.join(root, "iter_0000002"))
+
+
+def _torch_format_local_state_dicts(rank, world, root):
+    """Megatron's legacy convention: each tp rank's own local state_dict() under the same keys."""
+    topo = sp.Topology(tp_size=world)
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sp.Checkpointer(root, topology=topo, format="torch").save(1, sp.TrainState(model, opt))
+    fresh = torch.nn.Linear(4, 3)
+    sp.Checkpointer(root, topology=topo).load(sp.TrainState(fresh, torch.optim.Adam(fresh.parameters())))
+    return torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_torch_format_keeps_per_mp_rank_files_apart(tmp_path):
+    """One file per model-parallel rank: tp ranks' plain tensors are not replicas of each other."""
+    assert launch(_torch_format_local_state_dicts, 2, str(tmp_path / "run")) == [True, True]

@@ -49,6 +49,7 @@ class CheckpointMetadata:
     validation_logits: str | None = None
     library_version: str = ""
     format_version: int = FORMAT_VERSION
+    canonical_keys: bool = False  # keys are wrapper-free model names (checkpoints written since they are)
 
     @property
     def total_bytes(self) -> int:
@@ -133,6 +134,7 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         ("flops", (int, float)),
         ("wall_time", (int, float)),
         ("save_seconds", (int, float)),
+        ("canonical_keys", bool),
     ):
         value = need(key, kind, optional=True)
         if value is not None:

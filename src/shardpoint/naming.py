@@ -75,19 +75,23 @@ def parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-def stored_to_current(saved: Iterable[str], rename: Rename = None, where: str = "") -> dict[str, str]:
+def stored_to_current(
+    saved: Iterable[str], rename: Rename = None, where: str = "", canonical: bool = False
+) -> dict[str, str]:
     """``{stored key: current key}`` for every stored key whose name changed.
 
     Keys are full checkpoint keys (``model.<name>``, ``optimizer.state.<name>.<state>``,
-    and their rank-local copies). The mapping depends on the stored keys only, so
-    every rank computes the same one.
+    and their rank-local copies). Wrapper parts are stripped only from checkpoints
+    written before keys were canonical (``canonical=False``): in a canonical one a
+    ``module.`` is a real submodule's name. The mapping depends on the stored keys
+    only, so every rank computes the same one.
     """
     from shardpoint import rank_local
 
     saved = list(saved)
     model_names = [_model_name(k) for k in saved]
     strip_ddp = (
-        bool(model_names)
+        not canonical
         and all(name is None or name.startswith(_DDP_ROOT) for name in model_names)
         and any(name is not None for name in model_names)
     )
@@ -97,7 +101,7 @@ def stored_to_current(saved: Iterable[str], rename: Rename = None, where: str = 
     for key in saved:
         split = rank_local.split_key(key)
         inner = split[1] if split else key
-        renamed = _map_name(inner, lambda name: _canonical(name, strip_ddp))
+        renamed = inner if canonical else _map_name(inner, lambda name: _canonical(name, strip_ddp))
         if renamed != inner:
             legacy += 1
         renamed = _map_name(renamed, rename_fn)

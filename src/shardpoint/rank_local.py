@@ -28,7 +28,17 @@ from shardpoint.errors import TopologyMismatchError
 from shardpoint.sharding import Shard
 from shardpoint.state import FlatState
 
-__all__ = ["PREFIX", "RESHARD_POLICIES", "RankLocalPlan", "resolve", "split_key", "stored_key", "warn_reinit", "whole"]
+__all__ = [
+    "PREFIX",
+    "RESHARD_POLICIES",
+    "RankLocalPlan",
+    "reinitialise",
+    "resolve",
+    "split_key",
+    "stored_key",
+    "warn_reinit",
+    "whole",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +71,13 @@ class RankLocalPlan:
     Attributes:
         shared: global key -> target, read as a box of a global tensor (the usual case).
         own: key -> target, read from this rank's own stored copy.
-        reinit: keys that were stored per rank at another layout, zeroed instead.
+        reinit: key -> target of states stored per rank at another layout, to zero
+            (:func:`reinitialise`) once the rest has loaded.
     """
 
     shared: dict[str, Shard] = field(default_factory=dict)
     own: dict[str, torch.Tensor] = field(default_factory=dict)
-    reinit: list[str] = field(default_factory=list)
+    reinit: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def resolve(
@@ -109,11 +120,15 @@ def resolve(
             "layout it was saved at, or pass optimizer_reshard='reinit' to load everything else and "
             "re-initialise these states."
         )
-    for key in unplaceable:
-        with torch.no_grad():
-            targets[key].tensor.zero_()
-    plan.reinit = sorted(unplaceable)
+    plan.reinit = {key: targets[key].tensor for key in sorted(unplaceable)}
     return plan
+
+
+def reinitialise(plan: RankLocalPlan) -> None:
+    """Zero the states :func:`resolve` could not place; called once everything else has loaded."""
+    with torch.no_grad():
+        for tensor in plan.reinit.values():
+            tensor.zero_()
 
 
 def warn_reinit(keys: list[str], where: str) -> None:

@@ -38,7 +38,7 @@ from shardpoint.state import FlatState
 
 __all__ = ["ReplicaReport", "check_replicas", "fingerprint"]
 
-_Box = tuple[str, tuple[int, ...], tuple[int, ...]]
+_Box = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # key, offset, shape, scope
 
 
 @dataclass
@@ -60,17 +60,21 @@ def fingerprint(tensor: torch.Tensor) -> tuple[str, int]:
     return str(data.dtype), xxhash.xxh3_64_intdigest(memoryview(raw.numpy()))
 
 
-def check_replicas(flat: FlatState, group: Any = None, *, check_declared: bool = True) -> ReplicaReport:
+def check_replicas(
+    flat: FlatState, group: Any = None, *, check_declared: bool = True, scope: tuple[int, ...] = ()
+) -> ReplicaReport:
     """Collective over ``group``: verify shared boxes agree; move disagreeing per-rank values aside.
 
     Every rank of ``group`` must call this with its own ``flat`` at the same point.
     ``check_declared=False`` hashes only ``flat.shared_if_equal`` (see the module
-    docstring for why those are always checked).
+    docstring for why those are always checked). ``scope`` separates ranks whose
+    boxes are never the same data however they are named: the ``torch`` format stores
+    one file per model-parallel rank, so there only data-parallel ranks are replicas.
 
     Raises:
         ReplicaMismatchError: a declared replica differs between ranks (on every rank).
     """
-    boxes = {key: _box(key, shard) for key, shard in flat.tensors.items()}
+    boxes = {key: _box(key, shard, scope) for key, shard in flat.tensors.items()}
     local = [(box, _nbytes(flat.tensors[key].tensor), key in flat.shared_if_equal) for key, box in boxes.items()]
     rank_local_bytes = sum(_nbytes(t) for t in flat.rank_local.values())
     gathered = _comm.all_gather((local, rank_local_bytes), group)
@@ -116,8 +120,8 @@ def _disagreements(hashes: Iterable[dict[_Box, tuple[str, int]]]) -> dict[str, l
     return found
 
 
-def _box(key: str, shard: Any) -> _Box:
-    return key, tuple(shard.global_offset), tuple(shard.tensor.shape)
+def _box(key: str, shard: Any, scope: tuple[int, ...] = ()) -> _Box:
+    return key, tuple(shard.global_offset), tuple(shard.tensor.shape), scope
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -197,8 +197,10 @@ class SavePipeline:
         """
         rank = _comm.rank()
         name = self.layout.dir_name(pending.iteration)
+        topo = self.topology
+        scope = (topo.tp_rank, topo.pp_rank) if self.format.name == "torch" else ()  # per-mp-rank files
         replicas = _comm.agree(
-            lambda: check_replicas(pending.flat, group, check_declared=pending.check_replicas),
+            lambda: check_replicas(pending.flat, group, check_declared=pending.check_replicas, scope=scope),
             "comparing replicated tensors",
             group,
         )
@@ -271,6 +273,8 @@ class SavePipeline:
                 self._lock.release()
 
     def _begin(self, name: str, needed: int) -> str:
+        # the last save's deletions must be done before free space is measured and written into
+        self._retention.wait()
         if self._lock is not None and not self._lock.held:
             self._lock.acquire()
             commit.clean_leftovers(self.storage, self.root)
@@ -327,6 +331,7 @@ class SavePipeline:
             wall_time=time.time(),
             save_seconds=seconds,
             library_version=__version__,
+            canonical_keys=True,
         )
 
     def _commit(self, tmp: str, final: str, meta: CheckpointMetadata, update_tracker: bool) -> None:

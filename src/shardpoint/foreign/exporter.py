@@ -136,6 +136,7 @@ def export_megatron(
     final = os.path.join(root, name)
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists already; export into another directory or remove it first")
+    _refuse_moving_a_live_tracker(root, ckpt.iteration)
     stages = _stage_plan(ckpt, pp, args)
     pieces = _tp_pieces(ckpt, tp, args)
     os.makedirs(root, exist_ok=True)
@@ -156,6 +157,20 @@ def export_megatron(
     os.replace(tracker + ".tmp", tracker)
     log.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d dp=%d)", final, tp, pp, dp)
     return final
+
+
+def _refuse_moving_a_live_tracker(root: str, iteration: int) -> None:
+    """Never rewind another run: a tracker naming a newer iteration belongs to a run that is still going."""
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    if not os.path.exists(tracker):
+        return
+    with open(tracker) as f:
+        current = f.read().strip()
+    if current == "release" or (current.isdigit() and int(current) > iteration):
+        raise CheckpointError(
+            f"{tracker} names {current}, newer than the exported iteration {iteration}; exporting here would "
+            "rewind that run. Export into a new directory"
+        )
 
 
 def _new_args(ckpt: ForeignCheckpoint, tp: int, pp: int, dp: int, distopt: bool) -> Any:

@@ -332,9 +332,7 @@ class DistFormat:
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count)
         metadata = _comm.agree(reader.read_metadata, "reading DCP metadata")
-        targets, reinit = _comm.agree(lambda: self._targets(ctx, flat, meta, metadata), "placing per-rank state")
-        if ctx.optimizer_reshard == "reinit":
-            rank_local.warn_reinit(reinit, ctx.directory)
+        targets, plan = _comm.agree(lambda: self._targets(ctx, flat, meta, metadata), "placing per-rank state")
         missing, unexpected = _compare_keys(targets, metadata, ctx.directory)
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before DCP's collectives
         _comm.agree(lambda: _check_shapes(targets, metadata, meta, ctx), "checking tensor shapes")
@@ -346,20 +344,25 @@ class DistFormat:
                 planner=ShardLoadPlanner(present, ctx.directory),
                 no_dist=not _comm.initialized(),
             )
+        rank_local.reinitialise(plan)
+        if ctx.optimizer_reshard == "reinit":
+            rank_local.warn_reinit(list(plan.reinit), ctx.directory)
         common = read_torch_file(ctx.storage, ctx.storage.join(ctx.directory, COMMON_FILE))
         return Loaded(common, self._per_rank(ctx, meta), missing, unexpected)
 
     @staticmethod
     def _targets(
         ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata, metadata: Metadata
-    ) -> tuple[dict[str, Shard], list[str]]:
-        """Stored DCP key -> target shard (global keys, this rank's own rank-local keys), and re-initialised keys.
+    ) -> tuple[dict[str, Shard], rank_local.RankLocalPlan]:
+        """Stored DCP key -> target shard (global keys, this rank's own rank-local keys), and the placement plan.
 
         Stored names are translated to current ones first (wrapper prefixes of older
         checkpoints, ``rename``), so placement and messages use the model's names.
         """
         rank = _comm.rank()
-        to_current = naming.stored_to_current(metadata.state_dict_metadata, ctx.rename, ctx.directory)
+        to_current = naming.stored_to_current(
+            metadata.state_dict_metadata, ctx.rename, ctx.directory, canonical=meta.canonical_keys
+        )
         to_stored = {current: stored for stored, current in to_current.items()}
         saved = {to_current.get(k, k) for k in metadata.state_dict_metadata}
         per_rank = [split for split in map(rank_local.split_key, saved) if split is not None]
@@ -374,7 +377,7 @@ class DistFormat:
         )
         targets = dict(plan.shared)
         targets.update({rank_local.stored_key(k, rank): rank_local.whole(t) for k, t in plan.own.items()})
-        return {to_stored.get(k, k): shard for k, shard in targets.items()}, plan.reinit
+        return {to_stored.get(k, k): shard for k, shard in targets.items()}, plan
 
     def _per_rank(self, ctx: FormatContext, meta: CheckpointMetadata) -> dict[str, Any] | None:
         if meta.topology != ctx.topology.describe():

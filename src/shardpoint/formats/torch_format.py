@@ -120,14 +120,16 @@ class TorchFormat:
                 read_torch_file(storage, distrib_path, mmap=True)["pieces"] if storage.exists(distrib_path) else None
             )
             own = payload.get("rank_local") or []
-            names = naming.stored_to_current({*stored, *(pieces or {}), *(k for d in own for k in d)}, ctx.rename)
+            keys = {*stored, *(pieces or {}), *(k for d in own for k in d)}
+            names = naming.stored_to_current(keys, ctx.rename, main_path, canonical=meta.canonical_keys)
             stored, pieces = naming.translate(names, stored), pieces and naming.translate(names, pieces)
             payload["rank_local"] = [naming.translate(names, d) for d in own] or None
             plan = _rank_local_plan(ctx, flat, meta, payload, set(stored) | set(pieces or {}), main_path)
             boxes = naming.translate(names, payload.get("sharding", {}))
             missing = _fill(plan.shared, stored, boxes, pieces, main_path)
             _fill_own(plan.own, payload["rank_local"][ctx.topology.dp_rank] if plan.own else {}, main_path)
-            return missing, pieces, plan.reinit
+            rank_local.reinitialise(plan)
+            return missing, pieces, list(plan.reinit)
 
         missing, pieces, reinit = _comm.agree(fill, "loading the torch-format tensors")
         if ctx.optimizer_reshard == "reinit":

@@ -119,7 +119,7 @@ def read_full(
         check_files(directory, meta, progress, storage=storage)
     reader = _read_dist if meta.format == "dist" else _read_torch
     tensors, common, boxes, stages = reader(storage, directory, meta, progress)
-    names = naming.stored_to_current(tensors, where=directory)  # canonical names of older checkpoints
+    names = naming.stored_to_current(tensors, where=directory, canonical=meta.canonical_keys)  # older ones
     tensors, boxes, stages = (naming.translate(names, d) for d in (tensors, boxes, stages))
     split_dims = infer_split_dims(tensors, boxes)
     return FullCheckpoint(tensors, common, meta, split_dims, stages, directory)
@@ -301,7 +301,7 @@ def describe_tensors(directory: str, meta: CheckpointMetadata, *, storage: Stora
         }
     else:
         found = _torch_boxes(storage, directory, meta)
-    found = naming.translate(naming.stored_to_current(found, where=directory), found)
+    found = naming.translate(naming.stored_to_current(found, where=directory, canonical=meta.canonical_keys), found)
     infos = []
     for key, (shape, dtype, boxes) in sorted(found.items()):
         dims = tuple(d for d in range(len(shape)) if len({o[d] for o, _ in boxes}) > 1)

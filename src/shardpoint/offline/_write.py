@@ -330,4 +330,5 @@ def _metadata(
         wall_time=time.time(),
         save_seconds=time.perf_counter() - start,
         library_version=__version__,
+        canonical_keys=True,  # written as given: never re-mapped on load
     )
