@@ -4,13 +4,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
+from shardpoint.demo.cluster import wait_for_s3_server
 from tests.distributed import free_port
 
 
@@ -109,15 +108,7 @@ class S3Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.server_port}/moto-api/", timeout=1)
-                break
-            except OSError:
-                if time.time() > deadline or self.process.poll() is not None:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.2)
+        wait_for_s3_server(self.server_port, self.process)
         self.gate = Gate(self.server_port)
         self.port = self.gate.port
         self.endpoint = f"http://127.0.0.1:{self.port}"

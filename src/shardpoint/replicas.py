@@ -43,12 +43,9 @@ _Box = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # key, off
 
 @dataclass
 class ReplicaReport:
-    """What :func:`check_replicas` found: bytes the job writes, and what it compared."""
+    """What :func:`check_replicas` found: the bytes the whole job writes, each shared box once."""
 
     deduplicated_bytes: int
-    compared: int = 0
-    compared_bytes: int = 0
-    moved_to_rank_local: tuple[str, ...] = ()
 
 
 def fingerprint(tensor: torch.Tensor) -> tuple[str, int]:
@@ -94,13 +91,10 @@ def check_replicas(
         return report
     mine = {box: fingerprint(flat.tensors[box[0]].tensor) for box in boxes.values() if box in checked}
     hashes = _comm.all_gather(mine, group)
-    report.compared = len(checked)
-    report.compared_bytes = sum(sizes[box] for box in checked)
     disagreements = _disagreements(hashes)
     movable = {key for key in disagreements if key in flat.shared_if_equal}
     for key in movable:
         flat.rank_local[key] = flat.tensors.pop(key).tensor
-    report.moved_to_rank_local = tuple(sorted(movable))
     declared = {key: groups for key, groups in disagreements.items() if key not in movable}
     if declared:
         raise ReplicaMismatchError(declared)

@@ -42,7 +42,7 @@ from shardpoint.demo.trainer import TrainConfig
 from shardpoint.layout import get_layout
 from shardpoint.storage import open_storage
 
-__all__ = ["loopback_s3", "run_cluster_demo"]
+__all__ = ["loopback_s3", "run_cluster_demo", "wait_for_s3_server"]
 
 _WORKER = "shardpoint.demo.cluster_worker"
 
@@ -65,7 +65,7 @@ def loopback_s3(directory: str) -> Any:
     )
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     try:
-        _wait_for_server(port, process)
+        wait_for_s3_server(port, process)
         os.environ.update(
             AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="demo", AWS_SECRET_ACCESS_KEY="demo"
         )
@@ -84,7 +84,8 @@ def loopback_s3(directory: str) -> Any:
                 os.environ[key] = value
 
 
-def _wait_for_server(port: int, process: subprocess.Popen) -> None:
+def wait_for_s3_server(port: int, process: subprocess.Popen) -> None:
+    """Block until the moto_server ``process`` answers on ``port`` (30 s at most)."""
     deadline = time.time() + 30
     while True:
         try:
