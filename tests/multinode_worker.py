@@ -75,7 +75,10 @@ def main() -> None:
                 os.environ["SHARDPOINT_FAULT"] = "point=during-upload,action=stall,seconds=600"
     record["final"] = toy.snapshot(state)
     print("T done", time.time(), flush=True)
-    torch.save(record, os.path.join(args.out, f"result_{rank}.pt"))
+    # written whole, then renamed: a test that sees the file may kill this process right away
+    partial = os.path.join(args.out, f".result_{rank}.pt.partial")
+    torch.save(record, partial)
+    os.replace(partial, os.path.join(args.out, f"result_{rank}.pt"))
     ckpt.close()
     dist.barrier()
     dist.destroy_process_group()

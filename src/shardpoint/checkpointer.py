@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from shardpoint import _comm
-from shardpoint.discovery import LoadSources, verify_share
+from shardpoint.discovery import LoadSources, verify_share, verify_unread
 from shardpoint.errors import (
     ConfigMismatchError,
     MissingKeysError,
@@ -366,10 +366,13 @@ class Checkpointer:
             thread_count=self.thread_count,
             optimizer_reshard=optimizer_reshard,
             rename=rename,
+            verify=verify,
         )
-        # every file some rank reads, split over all ranks (each rank's own list may differ: torch format)
+        # every file some rank reads, split over all ranks (each rank's own list may differ: torch format);
+        # the format checks the checksums of some files as it reads them, in the same pass
         files = sorted(set().union(*_comm.all_gather(fmt.files_to_read(ctx, meta))))
-        _comm.agree(lambda: verify_share(storage, path, meta, files, verify), "verifying checkpoint files")
+        streamed = fmt.checksummed_while_reading(meta) if verify else set()
+        _comm.agree(lambda: verify_share(storage, path, meta, files, verify, streamed), "verifying checkpoint files")
         flat = collect(
             state,
             iteration=meta.iteration,
@@ -378,6 +381,7 @@ class Checkpointer:
             init_optimizer=True,
         )
         loaded = fmt.load(ctx, flat, meta)
+        verify_unread(storage, path, meta, streamed, loaded.checked)
         _forget_unsaved_optimizer_state(state, flat, loaded)
         if strict and (loaded.missing or loaded.unexpected):
             raise MissingKeysError(path, loaded.missing, loaded.unexpected)

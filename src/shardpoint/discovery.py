@@ -16,6 +16,7 @@ it can be (:mod:`shardpoint.node_view`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from shardpoint import _comm, commit
@@ -90,19 +91,38 @@ def _first_intact(storage: Storage, root: str, layout: Layout, path: str, meta: 
     raise CorruptCheckpointError(f"no checkpoint under {root} passes verification")
 
 
-def verify_share(storage: Storage, path: str, meta: CheckpointMetadata, names: list[str], checksums: bool) -> None:
-    """Check this rank's share of ``names`` (round-robin): presence and size always, checksums if asked."""
+def verify_share(
+    storage: Storage,
+    path: str,
+    meta: CheckpointMetadata,
+    names: list[str],
+    checksums: bool,
+    sizes_only: Collection[str] = (),
+) -> None:
+    """Check this rank's share of ``names`` (round-robin): presence and size always, checksums if asked.
+
+    ``sizes_only``: files whose checksums the load checks while reading them.
+    """
     missing_record = [n for n in names if n not in meta.files]
     if missing_record:
         raise CorruptCheckpointError(f"{path}: {missing_record[0]} is not listed in shardpoint.json")
     share = names[_comm.rank() :: _comm.world_size()] if len(names) >= _comm.world_size() else names
-    problems = verify_files(storage, path, meta, share, checksums=checksums)
+    problems = verify_files(storage, path, meta, share, checksums=checksums, sizes_only=sizes_only)
     if problems:
         raise CorruptCheckpointError(
             f"checkpoint {path} is damaged: "
             + "; ".join(map(str, problems))
             + ". Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify` for a report"
         )
+
+
+def verify_unread(storage: Storage, path: str, meta: CheckpointMetadata, streamed: set[str], checked: set[str]) -> None:
+    """Check the files meant to be checked while reading that no rank read (nothing in them was loaded)."""
+    if not streamed:
+        return
+    unread = sorted(streamed - set().union(*_comm.all_gather(sorted(checked))))
+    if unread:
+        _comm.agree(lambda: verify_share(storage, path, meta, unread, True), "verifying checkpoint files")
 
 
 @dataclass

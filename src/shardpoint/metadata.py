@@ -50,6 +50,7 @@ class CheckpointMetadata:
     library_version: str = ""
     format_version: int = FORMAT_VERSION
     canonical_keys: bool = False  # keys are wrapper-free model names (checkpoints written since they are)
+    contiguous_items: bool = False  # dist: every DCP item is a contiguous tensor (read without unpickling)
 
     @property
     def total_bytes(self) -> int:
@@ -135,6 +136,7 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         ("wall_time", (int, float)),
         ("save_seconds", (int, float)),
         ("canonical_keys", bool),
+        ("contiguous_items", bool),
     ):
         value = need(key, kind, optional=True)
         if value is not None:

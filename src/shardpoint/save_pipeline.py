@@ -332,6 +332,7 @@ class SavePipeline:
             save_seconds=seconds,
             library_version=__version__,
             canonical_keys=True,
+            contiguous_items=True,  # ShardSavePlanner writes contiguous items
         )
 
     def _commit(self, tmp: str, final: str, meta: CheckpointMetadata, update_tracker: bool) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from shardpoint import rank_local
-from shardpoint.integrity import HashingWriter
+from shardpoint.integrity import HashingWriter, without_zip_crc32
 from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.safe_io import safe_torch_load
 from shardpoint.state import FlatState
@@ -38,6 +38,7 @@ class FormatContext:
     process_group: Any = None  # for DCP's collectives; a dedicated one for background saves
     optimizer_reshard: str = "error"  # per-rank state at another layout: "error" or "reinit" (see rank_local)
     rename: Any = None  # saved key -> current key on load: a mapping or a callable (see naming)
+    verify: bool = False  # on load: check the checksums of the files a format checks while reading
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Loaded:
     per_rank: dict[str, Any] | None
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    checked: set[str] = field(default_factory=set)  # files whose checksum this rank checked while reading
 
 
 class CheckpointFormat(Protocol):
@@ -69,13 +71,17 @@ class CheckpointFormat(Protocol):
         """The files this rank reads on load, for checksum verification before reading."""
         ...
 
+    def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:
+        """Files whose checksums ``load`` checks as it reads them (only their sizes are checked before)."""
+        ...
+
 
 def write_torch_file(obj: Any, path: str, storage: Storage | None = None) -> FileRecord:
     """``torch.save`` made durable (fsynced, or uploaded) before returning: the marker vouches for it.
 
     Returns the file's size and checksum, computed while writing.
     """
-    with (storage or LocalStorage("/")).open_write(path) as raw:
+    with (storage or LocalStorage("/")).open_write(path) as raw, without_zip_crc32():
         writer = HashingWriter(raw)
         torch.save(obj, writer)
         writer.flush()

@@ -24,7 +24,6 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,9 +47,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardpoint import _comm, naming, rank_local
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
-from shardpoint.integrity import HashingWriter
+from shardpoint.formats.dcp_read import StreamingReads
+from shardpoint.integrity import HashingWriter, without_zip_crc32
 from shardpoint.metadata import CheckpointMetadata, FileRecord
-from shardpoint.safe_io import load_dcp_metadata
+from shardpoint.safe_io import load_dcp_metadata, paused_gc
 from shardpoint.sharding import Shard
 from shardpoint.state import FlatState
 from shardpoint.storage import Storage
@@ -97,7 +97,8 @@ class ShardSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.shards[index.fqn].tensor
+        # every item is stored contiguous, so a load can take its bytes as they are (see dcp_read)
+        return self.shards[index.fqn].tensor.contiguous()
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
@@ -127,9 +128,19 @@ class ShardLoadPlanner(DefaultLoadPlanner):
 
 
 class _SafeMetadata:
-    """DCP's ``read_metadata``, with ``.metadata`` unpickled by the restricted unpickler."""
+    """DCP's ``read_metadata``, with ``.metadata`` unpickled by the restricted unpickler, once per reader.
+
+    shardpoint reads the metadata to plan before ``dcp.load``, which reads it again.
+    """
+
+    _metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = self._read_metadata()
+        return self._metadata
+
+    def _read_metadata(self) -> Metadata:
         path = self.fs.concat_path(self.path, DCP_METADATA)
         try:
             with self.fs.create_stream(path, "rb") as f:
@@ -142,41 +153,12 @@ class _SafeMetadata:
         return metadata
 
 
-class _ParallelFiles:
-    """Mixin for DCP readers: read the files of a plan on several threads.
-
-    DCP reads one file after another; its readers are stateless per call, so each
-    thread reads a share of the files (a file stays on one thread: its reads are
-    sequential). Decoding and copying release the GIL for the bulk of the bytes.
-    """
-
-    thread_count = 1
-
-    def read_data(self, plan: LoadPlan, planner: Any) -> torch.futures.Future:
-        per_file: dict[str, list[Any]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        workers = min(self.thread_count, len(per_file))
-        if workers <= 1:
-            return super().read_data(plan, planner)
-        shares: list[list[Any]] = [[] for _ in range(workers)]
-        for index, items in enumerate(per_file.values()):
-            shares[index % workers].extend(items)
-        read = super().read_data
-        with ThreadPoolExecutor(workers, thread_name_prefix="shardpoint-read") as pool:
-            for done in [pool.submit(read, LoadPlan(share), planner) for share in shares]:
-                done.result().wait()
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(None)
-        return future
+class SafeFileSystemReader(StreamingReads, _SafeMetadata, FileSystemReader):
+    """DCP's local reader, with safe metadata loading and one checked pass per file (see StreamingReads)."""
 
 
-class SafeFileSystemReader(_ParallelFiles, _SafeMetadata, FileSystemReader):
-    """DCP's local reader, with safe metadata loading and files read in parallel."""
-
-
-class SafeFsspecReader(_ParallelFiles, _SafeMetadata, FsspecReader):
-    """DCP's fsspec reader (object storage: ranged reads), with safe metadata loading and parallel files."""
+class SafeFsspecReader(StreamingReads, _SafeMetadata, FsspecReader):
+    """DCP's fsspec reader (object storage), with safe metadata loading and one checked pass per file."""
 
 
 class _RecordingStreams:
@@ -195,7 +177,7 @@ class _RecordingStreams:
                 yield stream
             return
         try:
-            with super().create_stream(path, mode) as raw:
+            with super().create_stream(path, mode) as raw, without_zip_crc32():
                 writer = HashingWriter(raw)
                 yield writer
                 writer.flush()
@@ -277,14 +259,27 @@ def dcp_writer(
     return HashingFsspecWriter(directory, thread_count=thread_count)
 
 
-def dcp_reader(storage: Storage, directory: str, thread_count: int = 1) -> FileSystemReader:
-    """A DCP reader for ``directory`` on ``storage`` that never unpickles more than DCP metadata."""
+def dcp_reader(
+    storage: Storage,
+    directory: str,
+    thread_count: int = 1,
+    expected: dict[str, FileRecord] | None = None,
+    contiguous_items: bool = False,
+) -> SafeFileSystemReader | SafeFsspecReader:
+    """A DCP reader for ``directory`` on ``storage`` that never unpickles more than DCP metadata.
+
+    ``expected``: records of the files whose checksums are checked while reading;
+    ``contiguous_items``: the checkpoint says every item is a contiguous tensor
+    (``CheckpointMetadata.contiguous_items``), so items are decoded without ``torch.load``.
+    """
     reader = (
         SafeFileSystemReader(directory)
         if storage.is_local
         else SafeFsspecReader(directory, **_fsspec_options(directory, reading=True))
     )
     reader.thread_count = thread_count
+    reader.expected = expected
+    reader.contiguous_items = contiguous_items
     return reader
 
 
@@ -310,7 +305,7 @@ class DistFormat:
         shards = dict(flat.tensors)
         shards.update({rank_local.stored_key(k, rank): rank_local.whole(t) for k, t in flat.rank_local.items()})
         state_dict = {key: shard.tensor for key, shard in shards.items()}
-        with _dcp_errors(directory):
+        with _dcp_errors(directory), paused_gc():
             dcp.save(
                 state_dict,
                 storage_writer=writer,
@@ -329,15 +324,20 @@ class DistFormat:
     def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
         return sorted(meta.files)
 
+    def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:
+        """DCP's data files: their checksums are checked as they are read (see dcp_read)."""
+        return {name for name in meta.files if name.endswith(".distcp")}
+
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
-        reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count)
+        expected = {n: meta.files[n] for n in self.checksummed_while_reading(meta)} if ctx.verify else None
+        reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items)
         metadata = _comm.agree(reader.read_metadata, "reading DCP metadata")
         targets, plan = _comm.agree(lambda: self._targets(ctx, flat, meta, metadata), "placing per-rank state")
         missing, unexpected = _compare_keys(targets, metadata, ctx.directory)
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before DCP's collectives
         _comm.agree(lambda: _check_shapes(targets, metadata, meta, ctx), "checking tensor shapes")
         present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
-        with _dcp_errors(ctx.directory, loading=True):
+        with _dcp_errors(ctx.directory, loading=True), paused_gc():
             dcp.load(
                 {k: s.tensor for k, s in present.items()},
                 storage_reader=reader,
@@ -348,7 +348,7 @@ class DistFormat:
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(list(plan.reinit), ctx.directory)
         common = read_torch_file(ctx.storage, ctx.storage.join(ctx.directory, COMMON_FILE))
-        return Loaded(common, self._per_rank(ctx, meta), missing, unexpected)
+        return Loaded(common, self._per_rank(ctx, meta), missing, unexpected, checked=reader.checked)
 
     @staticmethod
     def _targets(

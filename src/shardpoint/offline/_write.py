@@ -202,8 +202,9 @@ class _PiecesSavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex) -> Any:
         offset = tuple(index.offset or ())
         tensor = next(s.tensor for s in self.pieces[index.fqn] if s.global_offset == offset)
+        piece = tensor.contiguous()  # items are stored contiguous (see formats.dcp_read)
         # a view would be written with its whole storage; copy just the piece
-        return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+        return piece.clone() if piece.untyped_storage().nbytes() != piece.nbytes else piece
 
 
 def _write_item(key: str, shard: Shard) -> WriteItem:
@@ -331,4 +332,5 @@ def _metadata(
         save_seconds=time.perf_counter() - start,
         library_version=__version__,
         canonical_keys=True,  # written as given: never re-mapped on load
+        contiguous_items=True,  # _PiecesSavePlanner writes contiguous items
     )

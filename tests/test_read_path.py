@@ -1,0 +1,154 @@
+"""The fast save/load path: zip CRC32 off for our files, one checked pass per file, no unpickling of items."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint.formats.base import write_torch_file
+from shardpoint.formats.dcp_read import tensor_record
+from shardpoint.formats.dist import SafeFileSystemReader
+from tests.test_checkpointer import assert_same, make_state, train
+
+
+def _storage_records(path: Path) -> list[zipfile.ZipInfo]:
+    return zipfile.ZipFile(path).infolist()
+
+
+def _items(checkpoint: Path) -> dict[str, tuple[str, int, int]]:
+    """DCP key -> (file, offset, length) of its (first) stored item."""
+    metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
+    return {
+        index.fqn: (info.relative_path, info.offset, info.length)
+        for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[1].offset, reverse=True)
+    }
+
+
+def test_our_files_skip_zip_crc32_and_other_threads_keep_it(tmp_path):
+    seen: dict[str, bool] = {}
+
+    def user_save() -> None:  # another thread of the training process, saving meanwhile
+        torch.save(torch.ones(1000), tmp_path / "user.pt")
+        seen["after"] = torch.serialization.get_crc32_options()
+
+    write_torch_file({"w": torch.ones(1000)}, str(tmp_path / "ours.pt"))
+    thread = threading.Thread(target=user_save)
+    thread.start()
+    thread.join()
+    ours = [r for r in _storage_records(tmp_path / "ours.pt") if "/data/" in r.filename]
+    user = [r for r in _storage_records(tmp_path / "user.pt") if "/data/" in r.filename]
+    assert ours and all(r.CRC == 0 for r in ours)
+    assert user and all(r.CRC != 0 for r in user)
+    assert torch.serialization.get_crc32_options() and seen["after"]  # this thread's setting is back
+    assert torch.equal(torch.load(tmp_path / "ours.pt", weights_only=True)["w"], torch.ones(1000))
+
+
+def test_dcp_items_are_written_without_crc32(tmp_path):
+    state = make_state()
+    train(state)
+    sp.Checkpointer(tmp_path).save(1, state)
+    name, offset, length = _items(tmp_path / "iter_0000001")["model.fc1.weight"]
+    item = (tmp_path / "iter_0000001" / name).read_bytes()[offset : offset + length]
+    records = [r for r in zipfile.ZipFile(io.BytesIO(item)).infolist() if "/data/" in r.filename]
+    assert records and all(r.CRC == 0 for r in records)
+
+
+def test_load_unpickles_no_item(tmp_path, monkeypatch):
+    """Items of a checkpoint shardpoint wrote are decoded from their bytes, never through torch.load."""
+    saved = make_state()
+    train(saved)
+    sp.Checkpointer(tmp_path).save(1, saved)
+    real_load = torch.load
+
+    def no_items(source, *args, **kwargs):
+        if isinstance(source, io.BytesIO):
+            raise AssertionError("an item was unpickled")
+        return real_load(source, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", no_items)
+    loaded = make_state(seed=3)
+    sp.Checkpointer(tmp_path).load(loaded)
+    assert_same(saved, loaded)
+
+
+class _Transposed(torch.nn.Module):
+    """A model whose state holds a non-contiguous tensor (a transposed view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
+
+    def sharded_state_dict(self) -> dict:
+        return {"base_t": self.base.data.t()}
+
+
+def test_non_contiguous_tensors_round_trip(tmp_path):
+    saved = _Transposed()
+    sp.Checkpointer(tmp_path).save(1, sp.TrainState(saved))
+    loaded = _Transposed()
+    loaded.base.data.zero_()
+    sp.Checkpointer(tmp_path).load(sp.TrainState(loaded))
+    assert torch.equal(loaded.base, saved.base)
+
+
+def test_tensor_record_finds_the_bytes_or_declines():
+    buffer = io.BytesIO()
+    torch.save(torch.arange(10, dtype=torch.int64), buffer)
+    view = memoryview(bytearray(buffer.getvalue()))
+    offset, size = tensor_record(view)
+    assert size == 80
+    assert torch.equal(torch.frombuffer(view[offset : offset + size], dtype=torch.int64), torch.arange(10))
+    two = io.BytesIO()
+    torch.save({"a": torch.ones(2), "b": torch.zeros(2)}, two)  # two storages: not a single item
+    assert tensor_record(memoryview(two.getvalue())) is None
+    assert tensor_record(memoryview(b"not a zip archive")) is None
+
+
+def test_damaged_item_header_is_a_checksum_error_naming_the_file(tmp_path):
+    """A flipped byte in an item's zip directory breaks decoding; the error is still the file's checksum."""
+    state = make_state()
+    train(state)
+    sp.Checkpointer(tmp_path).save(1, state)
+    name, offset, length = _items(tmp_path / "iter_0000001")["model.fc1.weight"]
+    victim = tmp_path / "iter_0000001" / name
+    data = bytearray(victim.read_bytes())
+    data[offset + length - 22] ^= 0xFF  # the item's end-of-central-directory signature: unreadable as a zip
+    victim.write_bytes(bytes(data))
+    with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
+        sp.Checkpointer(tmp_path).load(make_state(seed=3))
+    assert name in str(info.value)
+
+
+def test_a_data_file_no_rank_reads_is_still_verified(tmp_path):
+    """Loading without the optimizer skips files holding only optimizer state; they are checked anyway."""
+
+    def one_layer(seed: int) -> sp.TrainState:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(64, 64, bias=False)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+        return sp.TrainState(model, optimizer)
+
+    # two files: the weight and one moment in one, the other moment and the step in the other
+    sp.Checkpointer(tmp_path, thread_count=2).save(1, one_layer(0))
+    directory = tmp_path / "iter_0000001"
+    items = _items(directory)
+    marker = json.loads((directory / "shardpoint.json").read_text())
+    model_files = {f for key, (f, _, _) in items.items() if key.startswith("model.")}
+    optimizer_only = sorted(n for n in marker["files"] if n.endswith(".distcp") and n not in model_files)
+    assert optimizer_only, "the save should have put some optimizer state in a file of its own"
+    victim = directory / optimizer_only[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
+        sp.Checkpointer(tmp_path).load(one_layer(3), load_optimizer=False)
+    assert victim.name in str(info.value)
