@@ -152,3 +152,40 @@ def test_a_data_file_no_rank_reads_is_still_verified(tmp_path):
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
         sp.Checkpointer(tmp_path).load(one_layer(3), load_optimizer=False)
     assert victim.name in str(info.value)
+
+
+def _large_state(seed: int) -> sp.TrainState:
+    torch.manual_seed(seed)
+    return sp.TrainState(torch.nn.Linear(256, 128))  # a 128 KiB weight: read straight into its parameter
+
+
+def test_large_tensors_are_read_straight_into_their_targets(tmp_path, monkeypatch):
+    from shardpoint.formats import dcp_read
+
+    saved = _large_state(0)
+    sp.Checkpointer(tmp_path).save(1, saved)
+    direct = []
+    read_item = dcp_read.StreamingReads._read_item
+
+    def spy(self, *args, **kwargs):
+        result = read_item(self, *args, **kwargs)
+        direct.append(result is None)
+        return result
+
+    monkeypatch.setattr(dcp_read.StreamingReads, "_read_item", spy)
+    loaded = _large_state(1)
+    sp.Checkpointer(tmp_path).load(loaded)
+    assert torch.equal(loaded.model.weight, saved.model.weight) and torch.equal(loaded.model.bias, saved.model.bias)
+    assert direct.count(True) == 1  # the weight; the small bias goes through the buffer
+
+
+def test_flipped_byte_in_a_tensor_read_straight_into_its_target_is_detected(tmp_path):
+    sp.Checkpointer(tmp_path).save(1, _large_state(0))
+    name, offset, length = _items(tmp_path / "iter_0000001")["model.weight"]
+    victim = tmp_path / "iter_0000001" / name
+    data = bytearray(victim.read_bytes())
+    data[offset + length // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
+        sp.Checkpointer(tmp_path).load(_large_state(1))
+    assert name in str(info.value)

@@ -36,6 +36,8 @@ from shardpoint.metadata import FileRecord
 __all__ = ["StreamingReads", "tensor_record"]
 
 _MIN_BUFFER = 4 << 20
+_HEAD = 4096  # enough for the records torch.save writes before a tensor's bytes
+_PIECE = 256 << 10  # read and hashed at a time: stays in the CPU's cache between the two
 _LOCAL_HEADER = b"PK\x03\x04"
 
 
@@ -99,12 +101,9 @@ class StreamingReads:
                     _hash_through(stream, digest, buffer, offset - position, name)
                 else:
                     stream.seek(offset)
-                view = buffer[:length]
-                _read_exactly(stream, view, name)
+                view = self._read_item(stream, length, wanted if failure is None else [], planner, buffer, digest, name)
                 position = offset + length
-                if digest is not None:
-                    digest.update(view)
-                if failure is None:
+                if view is not None and failure is None:
                     try:
                         self._place(view, wanted, planner)
                     except Exception as exc:  # a damaged item: the checksum names the file below
@@ -122,6 +121,53 @@ class StreamingReads:
             self.checked.add(name)
         if failure is not None:
             raise failure
+
+    def _read_item(
+        self, stream: Any, length: int, wanted: list[ReadItem], planner: Any, buffer: memoryview, digest: Any, name: str
+    ) -> memoryview | None:
+        """Read one stored item, hashing it; return its bytes, or None when they went straight into the target.
+
+        A whole, contiguous CPU target of the stored dtype receives the tensor's bytes
+        directly from the file (found from the archive's local headers, which come
+        first): one copy fewer than through the buffer. Anything else is read whole.
+        """
+        target = self._direct_target(wanted, planner)
+        found = None
+        head = min(length, _HEAD) if target is not None else 0
+        _read_exactly(stream, buffer[:head], name)
+        if target is not None and length > 2 * _HEAD:
+            item_start = stream.tell() - head
+            stream.seek(item_start + length - _HEAD)
+            _read_exactly(stream, buffer[head : head + _HEAD], name)
+            found = _storage_at_ends(buffer[:head], buffer[head : head + _HEAD], length)
+            stream.seek(item_start + head)
+        if target is None or found is None or not _direct_fits(found, target.nbytes, head, length):
+            _update(digest, buffer[:head])
+            _read_exactly(stream, buffer[head:length], name, digest)
+            return buffer[:length]
+        start, size = found
+        destination = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        destination[: head - start] = buffer[start:head]  # the tensor's first bytes came with the headers
+        _update(digest, buffer[:head])
+        _read_exactly(stream, destination[head - start :], name, digest)
+        # the records after the tensor, and the directory
+        _read_exactly(stream, buffer[head : head + length - start - size], name, digest)
+        planner.commit_tensor(wanted[0], target)
+        return None
+
+    def _direct_target(self, wanted: list[ReadItem], planner: Any) -> torch.Tensor | None:
+        """The target of a stored item that is read whole into one contiguous CPU tensor, else None."""
+        if not self.contiguous_items or len(wanted) != 1:
+            return None
+        item = wanted[0]
+        if item.type == LoadItemType.BYTE_IO or self._info(item).transform_descriptors:
+            return None
+        shape, dtype = self._chunk(item.storage_index)
+        if any(item.storage_offsets) or tuple(item.lengths) != tuple(shape):
+            return None
+        target = planner.resolve_tensor(item).detach()
+        usable = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+        return target if usable and target.shape == shape and target.numel() > 0 else None
 
     def _place(self, view: memoryview, items: list[ReadItem], planner: Any) -> None:
         """Decode one stored item and copy the parts that ``items`` ask for into their targets."""
@@ -168,27 +214,43 @@ class StreamingReads:
         raise CorruptCheckpointError(f"{self.path}: no stored chunk of {index.fqn} at {tuple(index.offset)}")  # type: ignore[attr-defined]
 
 
-def tensor_record(archive: memoryview) -> tuple[int, int] | None:
+def tensor_record(archive: memoryview | _ArchiveEnds) -> tuple[int, int] | None:
     """Where the bytes of the single storage in a ``torch.save`` archive lie: (offset, size).
 
     None when the archive is not that simple (several storages, compression, damage):
     the caller then falls back to ``torch.load``.
     """
+    source = archive if isinstance(archive, _ArchiveEnds) else _MemoryFile(archive)
     try:
-        records = zipfile.ZipFile(_MemoryFile(archive)).infolist()
-    except (zipfile.BadZipFile, ValueError, OSError):
+        records = zipfile.ZipFile(source).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, struct.error):
         return None
     storages = [r for r in records if r.filename.rsplit("/", 2)[-2:-1] == ["data"]]
     if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
         return None
     header = storages[0].header_offset
-    if archive[header : header + 4] != _LOCAL_HEADER or header + 30 > len(archive):
+    local = source.peek_at(header, 30)
+    if local is None or local[:4] != _LOCAL_HEADER:
         return None
-    name_length, extra_length = struct.unpack_from("<HH", archive, header + 26)
+    name_length, extra_length = struct.unpack_from("<HH", local, 26)
     start = header + 30 + name_length + extra_length
-    if start + storages[0].file_size > len(archive):
+    if start + storages[0].file_size > source.length:
         return None
     return start, storages[0].file_size
+
+
+def _direct_fits(found: tuple[int, int], nbytes: int, head: int, length: int) -> bool:
+    """The storage is the target's size, starts in the head, reaches past it and leaves room for the directory."""
+    start, size = found
+    return size == nbytes and start <= head < start + size and length - start - size <= _HEAD
+
+
+def _storage_at_ends(head: memoryview, tail: memoryview, length: int) -> tuple[int, int] | None:
+    """:func:`tensor_record` of an item known only by its first and last bytes (headers, directory)."""
+    found = tensor_record(_ArchiveEnds(head, tail, length))
+    if found is None or found[0] > len(head):
+        return None
+    return found
 
 
 class _MemoryFile(io.RawIOBase):
@@ -197,6 +259,10 @@ class _MemoryFile(io.RawIOBase):
     def __init__(self, view: memoryview):
         self._view = view
         self._position = 0
+        self.length = len(view)
+
+    def peek_at(self, offset: int, size: int) -> bytes | None:
+        return bytes(self._view[offset : offset + size]) if offset + size <= self.length else None
 
     def readable(self) -> bool:
         return True
@@ -219,19 +285,68 @@ class _MemoryFile(io.RawIOBase):
         return n
 
 
-def _read_exactly(stream: Any, view: memoryview, name: str) -> None:
+class _ArchiveEnds(io.RawIOBase):
+    """A stored item known by its first bytes (local headers) and last bytes (directory), for ``zipfile``.
+
+    Reading anything in between raises ValueError: the archive then counts as not simple.
+    """
+
+    def __init__(self, head: memoryview, tail: memoryview, length: int):
+        self._head, self._tail, self.length = head, tail, length
+        self._tail_start = length - len(tail)
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.length}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def peek_at(self, offset: int, size: int) -> bytes | None:
+        if offset + size <= len(self._head):
+            return bytes(self._head[offset : offset + size])
+        if offset >= self._tail_start and offset + size <= self.length:
+            return bytes(self._tail[offset - self._tail_start : offset - self._tail_start + size])
+        return None
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self._position))
+        data = self.peek_at(self._position, n)
+        if data is None:
+            raise ValueError("outside the ends of the item")
+        buffer[:n] = data
+        self._position += n
+        return n
+
+
+def _read_exactly(stream: Any, view: memoryview, name: str, digest: Any = None) -> None:
+    """Fill ``view`` from ``stream``; hash each piece while it is still in the CPU's cache."""
     done = 0
     while done < len(view):
-        n = stream.readinto(view[done:])
+        n = stream.readinto(view[done : done + _PIECE] if digest is not None else view[done:])
         if not n:
             raise CorruptCheckpointError(f"{name}: ends early (truncated while being read)")
+        _update(digest, view[done : done + n])
         done += n
+
+
+def _update(digest: Any, view: memoryview) -> None:
+    if digest is not None:
+        digest.update(view)
 
 
 def _hash_through(stream: Any, digest: Any, buffer: memoryview, count: int | None, name: str) -> None:
     """Read and hash ``count`` bytes (None: to the end of the file) through ``buffer``."""
     while count is None or count > 0:
-        view = buffer if count is None else buffer[: min(count, len(buffer))]
+        view = buffer[:_PIECE] if count is None else buffer[: min(count, _PIECE)]
         n = stream.readinto(view)
         if not n:
             if count is None:
