@@ -79,11 +79,11 @@ def test_load_unpickles_no_item(tmp_path, monkeypatch):
 
 
 class _Transposed(torch.nn.Module):
-    """A model whose state holds a non-contiguous tensor (a transposed view)."""
+    """A model whose state holds a non-contiguous tensor (a transposed view), larger than a reader's first buffer."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.base = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
+        self.base = torch.nn.Parameter(torch.arange(1100.0 * 1200).reshape(1100, 1200))
 
     def sharded_state_dict(self) -> dict:
         return {"base_t": self.base.data.t()}

@@ -80,12 +80,11 @@ class StreamingReads:
 
     def _read_files(self, names: list[str], per_file: dict[str, list[ReadItem]], planner: Any) -> None:
         """One thread's share, through one reused buffer (fresh memory is slow to touch)."""
-        largest = max(self._info(item).length for name in names for item in per_file[name])
-        buffer = memoryview(bytearray(max(_MIN_BUFFER, largest)))
+        scratch = _Scratch()
         for name in names:
-            self._read_file(name, per_file[name], planner, buffer)
+            self._read_file(name, per_file[name], planner, scratch)
 
-    def _read_file(self, name: str, items: list[ReadItem], planner: Any, buffer: memoryview) -> None:
+    def _read_file(self, name: str, items: list[ReadItem], planner: Any, scratch: _Scratch) -> None:
         record = None if self.expected is None else self.expected.get(name)
         digest = xxhash.xxh3_64() if record is not None else None
         places: dict[tuple[int, int], list[ReadItem]] = {}
@@ -98,10 +97,11 @@ class StreamingReads:
             position = 0
             for (offset, length), wanted in sorted(places.items()):
                 if digest is not None:
-                    _hash_through(stream, digest, buffer, offset - position, name)
+                    _hash_through(stream, digest, scratch.view, offset - position, name)
                 else:
                     stream.seek(offset)
-                view = self._read_item(stream, length, wanted if failure is None else [], planner, buffer, digest, name)
+                placing = wanted if failure is None else []  # after a damaged item: only hash the rest
+                view = self._read_item(stream, length, placing, planner, scratch, digest, name)
                 position = offset + length
                 if view is not None and failure is None:
                     try:
@@ -111,7 +111,7 @@ class StreamingReads:
                             raise
                         failure = exc
             if digest is not None:
-                _hash_through(stream, digest, buffer, None, name)
+                _hash_through(stream, digest, scratch.view, None, name)
         if record is not None and digest is not None:
             if digest.hexdigest() != record.xxh3_64:
                 raise CorruptCheckpointError(
@@ -123,7 +123,7 @@ class StreamingReads:
             raise failure
 
     def _read_item(
-        self, stream: Any, length: int, wanted: list[ReadItem], planner: Any, buffer: memoryview, digest: Any, name: str
+        self, stream: Any, length: int, wanted: list[ReadItem], planner: Any, scratch: _Scratch, digest: Any, name: str
     ) -> memoryview | None:
         """Read one stored item, hashing it; return its bytes, or None when they went straight into the target.
 
@@ -134,6 +134,7 @@ class StreamingReads:
         target = self._direct_target(wanted, planner)
         found = None
         head = min(length, _HEAD) if target is not None else 0
+        buffer = scratch.view
         _read_exactly(stream, buffer[:head], name)
         if target is not None and length > 2 * _HEAD:
             item_start = stream.tell() - head
@@ -142,6 +143,7 @@ class StreamingReads:
             found = _storage_at_ends(buffer[:head], buffer[head : head + _HEAD], length)
             stream.seek(item_start + head)
         if target is None or found is None or not _direct_fits(found, target.nbytes, head, length):
+            buffer = scratch.at_least(length, keep=head)
             _update(digest, buffer[:head])
             _read_exactly(stream, buffer[head:length], name, digest)
             return buffer[:length]
@@ -237,6 +239,25 @@ def tensor_record(archive: memoryview | _ArchiveEnds) -> tuple[int, int] | None:
     if start + storages[0].file_size > source.length:
         return None
     return start, storages[0].file_size
+
+
+class _Scratch:
+    """One reading thread's buffer, reused for every item and grown only for an item read through it.
+
+    Items read straight into their targets never need more than a few KiB of it, so
+    loading a large tensor costs no buffer of its size.
+    """
+
+    def __init__(self) -> None:
+        self.view = memoryview(bytearray(_MIN_BUFFER))
+
+    def at_least(self, size: int, keep: int = 0) -> memoryview:
+        """The buffer, at least ``size`` bytes long; its first ``keep`` bytes stay as they were."""
+        if size > len(self.view):
+            grown = memoryview(bytearray(size))
+            grown[:keep] = self.view[:keep]
+            self.view = grown
+        return self.view
 
 
 def _direct_fits(found: tuple[int, int], nbytes: int, head: int, length: int) -> bool:
