@@ -581,8 +581,8 @@ def print_report(report: dict[str, Any]) -> None:
         targets.add_row(name, f"{check['value']:.3f}", check["target"], "yes" if check["met"] else "[red]no[/red]")
     console.print(targets)
     per_rank = ", ".join(f"{b / 1e6:.1f}" for b in report["bytes_written_per_rank"])
+    reshard_rss = ", ".join(f"{b / 1e6:.1f}" for b in report["reshard_load_peak_extra_rss_per_rank"])
     console.print(
-        f"state per rank {report['state_bytes_per_rank'] / 1e6:.1f} MB; written per rank (MB): {per_rank}; "
-        f"resharded-load peak extra RSS per rank (MB): "
-        + ", ".join(f"{b / 1e6:.1f}" for b in report["reshard_load_peak_extra_rss_per_rank"])
+        f"state per rank {report['state_bytes_per_rank'] / 1e6:.1f} MB; written per rank (MB): {per_rank}"
+        + (f"; resharded-load peak extra RSS per rank (MB): {reshard_rss}" if reshard_rss else "")
     )
