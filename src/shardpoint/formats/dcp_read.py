@@ -222,7 +222,7 @@ def tensor_record(archive: memoryview | _ArchiveEnds) -> tuple[int, int] | None:
     None when the archive is not that simple (several storages, compression, damage):
     the caller then falls back to ``torch.load``.
     """
-    source = archive if isinstance(archive, _ArchiveEnds) else _MemoryFile(archive)
+    source = archive if isinstance(archive, _ArchiveEnds) else _ArchiveEnds(archive, archive[:0], len(archive))
     try:
         records = zipfile.ZipFile(source).infolist()
     except (zipfile.BadZipFile, ValueError, OSError, struct.error):
@@ -274,42 +274,12 @@ def _storage_at_ends(head: memoryview, tail: memoryview, length: int) -> tuple[i
     return found
 
 
-class _MemoryFile(io.RawIOBase):
-    """A seekable read-only file over a buffer: ``zipfile`` reads its directory without copying the data."""
-
-    def __init__(self, view: memoryview):
-        self._view = view
-        self._position = 0
-        self.length = len(view)
-
-    def peek_at(self, offset: int, size: int) -> bytes | None:
-        return bytes(self._view[offset : offset + size]) if offset + size <= self.length else None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), len(self._view) - self._position))
-        buffer[:n] = self._view[self._position : self._position + n]
-        self._position += n
-        return n
-
-
 class _ArchiveEnds(io.RawIOBase):
-    """A stored item known by its first bytes (local headers) and last bytes (directory), for ``zipfile``.
+    """A stored item for ``zipfile``, known by its first bytes (local headers) and last bytes (directory).
 
-    Reading anything in between raises ValueError: the archive then counts as not simple.
+    ``zipfile`` reads only the directory and the local headers, so neither the item's
+    data nor its copy is needed (a whole item is all "head"). Reading anything in
+    between raises ValueError: the archive then counts as not simple.
     """
 
     def __init__(self, head: memoryview, tail: memoryview, length: int):
