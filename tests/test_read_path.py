@@ -189,3 +189,24 @@ def test_flipped_byte_in_a_tensor_read_straight_into_its_target_is_detected(tmp_
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
         sp.Checkpointer(tmp_path).load(_large_state(1))
     assert name in str(info.value)
+
+
+def test_gc_pauses_only_on_the_main_thread_and_comes_back():
+    import gc
+
+    from shardpoint.safe_io import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    seen = []
+
+    def background() -> None:
+        with paused_gc():
+            seen.append(gc.isenabled())
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen == [True] and gc.isenabled()

@@ -176,7 +176,7 @@ def _read_dist(storage: Storage, directory: str, meta: CheckpointMetadata, progr
         with single_process():
             dcp.load(
                 batch,
-                storage_reader=dcp_reader(storage, directory),
+                storage_reader=dcp_reader(storage, directory, contiguous_items=meta.contiguous_items),
                 planner=ShardLoadPlanner(shards, directory),
                 no_dist=True,
             )
