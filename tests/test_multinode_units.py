@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import shardpoint as sp
+from shardpoint import node_view
 from shardpoint.node_local import NODE_MARKER, NodeLocalError, _check_partition, probe_domains
 from shardpoint.s3 import s3_filesystem
 from shardpoint.storage import LocalStorage
@@ -56,11 +57,14 @@ def _train(rank: int, world: int, base: str, remote: str, steps: int, fmt: str):
     loaded = None
     if result is not None:
         loaded = {"iteration": result.iteration, "opened": dict(result.storage.opened), "state": toy.snapshot(state)}
+        ckpt.load(state)  # a second load replaces the first one's node view instead of adding one
+        loaded["views"] = len(node_view._VIEWS)
     for step in range((result.iteration if result else 0) + 1, steps + 1):
         toy.train_step(state, step)
         ckpt.maybe_save(step, state)
     ckpt.close()
-    return {"loaded": loaded, "final": toy.snapshot(state), "node": ckpt._node.ranks}
+    views_after_close = len(node_view._VIEWS)
+    return {"loaded": loaded, "final": toy.snapshot(state), "node": ckpt._node.ranks, "views": views_after_close}
 
 
 @pytest.mark.parametrize("fmt", ["dist", "torch"])
@@ -81,6 +85,7 @@ def test_node_parts_retention_restart(s3_server, bucket, tmp_path, fmt):
     resumed = launch(_train, 4, str(tmp_path), remote, 4, fmt, env=s3_server.env)
     for rank, (before, after) in enumerate(zip(saved, resumed)):
         assert after["loaded"]["iteration"] == 4
+        assert after["loaded"]["views"] == 1 and after["views"] == 0  # node views are released
         # torch format: mp ranks' files are written by dp rank 0, all on node 0
         assert (after["loaded"]["opened"]["local"] > 0) == (rank < 2), after["loaded"]["opened"]
         for key, (_, _, tensor) in before["final"]["tensors"].items():

@@ -79,7 +79,7 @@ class LoadResult:
     finetune: bool
     extra: dict[str, Any]
     metadata: CheckpointMetadata
-    storage: Storage | None = field(default=None, repr=False)
+    storage: Storage | None = field(default=None, repr=False)  # node-local: valid until the next load or close()
 
     def read_validation_logits(self) -> Any:
         """What was passed as ``validation_logits`` at save (checksum-verified with the rest), or None."""
@@ -287,6 +287,7 @@ class Checkpointer:
             self._finalize(blocking=True)
         finally:
             self._saver.close()
+            self._sources.close()
 
     def __enter__(self) -> Checkpointer:
         return self

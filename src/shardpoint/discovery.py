@@ -25,7 +25,7 @@ from shardpoint.integrity import verify_files
 from shardpoint.layout import Layout
 from shardpoint.metadata import CheckpointMetadata
 from shardpoint.node_local import NodeLocal, PartialCheckpointError, partial_error
-from shardpoint.node_view import open_view
+from shardpoint.node_view import NodeView, open_view
 from shardpoint.storage import Storage
 
 __all__ = ["LoadSources", "find_checkpoint", "verify_share"]
@@ -139,6 +139,7 @@ class LoadSources:
     remote: Storage | None = None
     remote_root: str | None = None
     node: NodeLocal | None = None
+    view: NodeView | None = None  # the last load's node view; closed by the next load or close()
 
     def find(self, iteration: int | None, fallback: bool) -> tuple[str, str, str] | None:
         """Rank 0: the checkpoint to load; the newer of local and remote, local on a tie."""
@@ -174,8 +175,15 @@ class LoadSources:
             return self.local, path
         if self.node is None:
             return self.remote, path
-        view = open_view(self.node, self.remote, path, meta, verify)
-        return view, view.root
+        self.close()
+        self.view = open_view(self.node, self.remote, path, meta, verify)
+        return self.view, self.view.root
+
+    def close(self) -> None:
+        """Forget the last load's node view (it registers itself for the life of the process otherwise)."""
+        if self.view is not None:
+            self.view.close()
+            self.view = None
 
 
 def _newer_or_equal(local_marker: str, remote_marker: str) -> bool:
