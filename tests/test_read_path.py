@@ -15,6 +15,8 @@ import shardpoint as sp
 from shardpoint.formats.base import write_torch_file
 from shardpoint.formats.dcp_read import tensor_record
 from shardpoint.formats.dist import SafeFileSystemReader
+from shardpoint.integrity import without_zip_crc32
+from tests.distributed import launch
 from tests.test_checkpointer import assert_same, make_state, train
 
 
@@ -38,10 +40,11 @@ def test_our_files_skip_zip_crc32_and_other_threads_keep_it(tmp_path):
         torch.save(torch.ones(1000), tmp_path / "user.pt")
         seen["after"] = torch.serialization.get_crc32_options()
 
-    write_torch_file({"w": torch.ones(1000)}, str(tmp_path / "ours.pt"))
-    thread = threading.Thread(target=user_save)
-    thread.start()
-    thread.join()
+    with without_zip_crc32():  # a user thread saving while one of our writes is open keeps its CRC32
+        write_torch_file({"w": torch.ones(1000)}, str(tmp_path / "ours.pt"))
+        thread = threading.Thread(target=user_save)
+        thread.start()
+        thread.join()
     ours = [r for r in _storage_records(tmp_path / "ours.pt") if "/data/" in r.filename]
     user = [r for r in _storage_records(tmp_path / "user.pt") if "/data/" in r.filename]
     assert ours and all(r.CRC == 0 for r in ours)
@@ -210,3 +213,101 @@ def test_gc_pauses_only_on_the_main_thread_and_comes_back():
     thread.start()
     thread.join()
     assert seen == [True] and gc.isenabled()
+
+
+def test_where_torch_keeps_the_crc_setting_process_wide_it_is_left_on(tmp_path, monkeypatch):
+    from shardpoint import integrity
+
+    monkeypatch.setattr(integrity, "_CRC_PER_THREAD", False)
+    write_torch_file({"w": torch.ones(1000)}, str(tmp_path / "ours.pt"))
+    assert all(r.CRC != 0 for r in _storage_records(tmp_path / "ours.pt") if "/data/" in r.filename)
+    assert torch.serialization.get_crc32_options()
+
+
+def _load_with_a_failing_rng_read(rank: int, world: int, root: str) -> str:
+    from shardpoint.formats import dist as dist_format
+
+    torch.manual_seed(0)
+    sp.Checkpointer(root).save(1, sp.TrainState(torch.nn.Linear(8, 8)))
+    if rank == 1:  # e.g. an object-store read that ran out of retries, on one rank only
+        real = dist_format.read_torch_file
+
+        def flaky(storage, path, *args, **kwargs):
+            if "/rng/" in path:
+                raise OSError(f"simulated read failure of {path}")
+            return real(storage, path, *args, **kwargs)
+
+        dist_format.read_torch_file = flaky
+    try:
+        sp.Checkpointer(root).load(sp.TrainState(torch.nn.Linear(8, 8)))
+    except sp.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_read_failing_on_one_rank_after_dcp_stops_every_rank(tmp_path):
+    """No rank is left waiting in a later collective (the checksum gather) for one that failed."""
+    results = launch(_load_with_a_failing_rng_read, 2, str(tmp_path), timeout=90)
+    assert all(r.startswith("CheckpointError") and "simulated read failure" in r for r in results), results
+
+
+def test_a_reused_reader_reads_the_metadata_of_the_checkpoint_it_is_reset_to(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    dcp.save({"x": torch.full((100,), 7.0), "y": torch.full((4,), 1.0)}, checkpoint_id=str(first), no_dist=True)
+    dcp.save({"y": torch.full((4,), 5.0), "x": torch.full((100,), 3.0)}, checkpoint_id=str(second), no_dist=True)
+    reader = SafeFileSystemReader(str(first))
+    reader.read_metadata()
+    loaded = {"x": torch.zeros(100)}
+    dcp.load(loaded, storage_reader=reader, checkpoint_id=str(second), no_dist=True)
+    assert torch.equal(loaded["x"], torch.full((100,), 3.0))
+
+
+def _zip_entry_field(item: bytes, suffix: bytes) -> int:
+    """Offset, in a stored item, of the central-directory entry whose name ends with ``suffix``."""
+    position = item.find(b"PK\x01\x02")
+    while position >= 0:
+        name_length = int.from_bytes(item[position + 28 : position + 30], "little")
+        if item[position + 46 : position + 46 + name_length].endswith(suffix):
+            return position
+        position = item.find(b"PK\x01\x02", position + 1)
+    raise AssertionError("no such entry")
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_archive_zipfile_cannot_parse_falls_back_to_torch_load(tmp_path, verify):
+    """A directory entry asking for a newer zip version: zipfile refuses it, torch.load reads the item."""
+    saved = _large_state(0)
+    sp.Checkpointer(tmp_path).save(1, saved)
+    name, offset, length = _items(tmp_path / "iter_0000001")["model.weight"]
+    victim = tmp_path / "iter_0000001" / name
+    data = bytearray(victim.read_bytes())
+    entry = offset + _zip_entry_field(bytes(data[offset : offset + length]), b"/data/0")
+    data[entry + 6] = 0xFF  # "version needed to extract"
+    victim.write_bytes(bytes(data))
+    loaded = _large_state(1)
+    if verify:
+        with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch"):
+            sp.Checkpointer(tmp_path).load(loaded)
+    else:
+        sp.Checkpointer(tmp_path, verify=False).load(loaded)
+        assert torch.equal(loaded.model.weight, saved.model.weight)
+
+
+def test_a_file_read_only_in_part_is_still_verified(tmp_path):
+    """Loading the model only reads a third of the one data file; the rest is still checked."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 128, bias=False)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    sp.Checkpointer(tmp_path, thread_count=1).save(1, sp.TrainState(model, optimizer))
+    name, offset, length = _items(tmp_path / "iter_0000001")["optimizer.state.weight.exp_avg"]
+    victim = tmp_path / "iter_0000001" / name
+    data = bytearray(victim.read_bytes())
+    data[offset + length // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
+        sp.Checkpointer(tmp_path).load(sp.TrainState(torch.nn.Linear(256, 128, bias=False)), load_optimizer=False)
+    assert name in str(info.value)

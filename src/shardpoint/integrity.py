@@ -17,6 +17,7 @@ import os
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -27,6 +28,7 @@ try:
 except ImportError:  # torch < 2.6 has no such setting: files keep their CRC32
     _serialization_config = None
 
+
 from shardpoint.metadata import CheckpointMetadata, FileRecord
 from shardpoint.storage import Storage
 
@@ -36,6 +38,22 @@ _CHUNK = 16 << 20
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
+def _crc_setting_is_per_thread() -> bool:
+    """Whether torch keeps ``compute_crc32`` per thread (recent releases: a ContextVar).
+
+    Older releases keep it process-wide, where turning it off from a writer thread would
+    change what every other thread writes (and overlapping writers could leave it off).
+    """
+    try:
+        entry = _serialization_config._config["save.compute_crc32"]  # type: ignore[union-attr]
+        return isinstance(entry.user_override, ContextVar)
+    except (AttributeError, KeyError, TypeError):
+        return False
+
+
+_CRC_PER_THREAD = _crc_setting_is_per_thread()
+
+
 @contextmanager
 def without_zip_crc32() -> Iterator[None]:
     """``torch.save`` skips its per-record CRC32 in this thread while the block runs.
@@ -43,9 +61,10 @@ def without_zip_crc32() -> Iterator[None]:
     PyTorch keeps the setting per thread (``torch.utils.serialization.config``), so it
     must be entered on the thread that calls ``torch.save`` (DCP's writer threads
     enter it through the streams they open) and never changes what other threads of
-    the training process write. ``torch.load`` reads such files as usual.
+    the training process write. ``torch.load`` reads such files as usual. Where torch
+    keeps the setting process-wide, this does nothing.
     """
-    if _serialization_config is None:
+    if not _CRC_PER_THREAD:  # process-wide setting (older torch): keep the CRC32 rather than race
         yield
         return
     saved = _serialization_config.save.compute_crc32

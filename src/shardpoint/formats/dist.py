@@ -140,6 +140,10 @@ class _SafeMetadata:
             self._metadata = self._read_metadata()
         return self._metadata
 
+    def reset(self, checkpoint_id: Any = None) -> None:
+        super().reset(checkpoint_id)  # type: ignore[misc]
+        self._metadata = None  # another checkpoint (dcp.load(checkpoint_id=...) reuses readers)
+
     def _read_metadata(self) -> Metadata:
         path = self.fs.concat_path(self.path, DCP_METADATA)
         try:
@@ -159,6 +163,8 @@ class SafeFileSystemReader(StreamingReads, _SafeMetadata, FileSystemReader):
 
 class SafeFsspecReader(StreamingReads, _SafeMetadata, FsspecReader):
     """DCP's fsspec reader (object storage), with safe metadata loading and one checked pass per file."""
+
+    direct_reads = False  # reading an item's end first would defeat the object store's read-ahead
 
 
 class _RecordingStreams:
@@ -347,8 +353,13 @@ class DistFormat:
         rank_local.reinitialise(plan)
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(list(plan.reinit), ctx.directory)
-        common = read_torch_file(ctx.storage, ctx.storage.join(ctx.directory, COMMON_FILE))
-        return Loaded(common, self._per_rank(ctx, meta), missing, unexpected, checked=reader.checked)
+        # a read failing on one rank must stop every rank before the next collective
+        common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
+        common, per_rank = _comm.agree(
+            lambda: (read_torch_file(ctx.storage, common_path), self._per_rank(ctx, meta)),
+            "reading common and per-rank state",
+        )
+        return Loaded(common, per_rank, missing, unexpected, checked=reader.checked)
 
     @staticmethod
     def _targets(
