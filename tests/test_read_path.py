@@ -6,6 +6,7 @@ import io
 import json
 import threading
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,26 @@ def _items(checkpoint: Path) -> dict[str, tuple[str, int, int]]:
         index.fqn: (info.relative_path, info.offset, info.length)
         for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[1].offset, reverse=True)
     }
+
+
+def _flip_item_byte(directory: Path, key: str, position: Callable[[int], int], mask: int = 0xFF) -> str:
+    """Flip a byte of the stored item of ``key``, at ``position(item length)`` from its start; return its file."""
+    name, offset, length = _items(directory)[key]
+    victim = directory / name
+    data = bytearray(victim.read_bytes())
+    data[offset + position(length)] ^= mask
+    victim.write_bytes(bytes(data))
+    return name
+
+
+def _trained_linear(seed: int, bias: bool = False) -> sp.TrainState:
+    """A Linear(256, 128) and its Adam state after one step: a 128 KiB weight and two moments."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(256, 128, bias=bias)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    return sp.TrainState(model, optimizer)
 
 
 def test_our_files_skip_zip_crc32_and_other_threads_keep_it(tmp_path):
@@ -119,11 +140,8 @@ def test_damaged_item_header_is_a_checksum_error_naming_the_file(tmp_path):
     state = make_state()
     train(state)
     sp.Checkpointer(tmp_path).save(1, state)
-    name, offset, length = _items(tmp_path / "iter_0000001")["model.fc1.weight"]
-    victim = tmp_path / "iter_0000001" / name
-    data = bytearray(victim.read_bytes())
-    data[offset + length - 22] ^= 0xFF  # the item's end-of-central-directory signature: unreadable as a zip
-    victim.write_bytes(bytes(data))
+    # the item's end-of-central-directory signature: unreadable as a zip
+    name = _flip_item_byte(tmp_path / "iter_0000001", "model.fc1.weight", lambda length: length - 22)
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
         sp.Checkpointer(tmp_path).load(make_state(seed=3))
     assert name in str(info.value)
@@ -131,17 +149,8 @@ def test_damaged_item_header_is_a_checksum_error_naming_the_file(tmp_path):
 
 def test_a_data_file_no_rank_reads_is_still_verified(tmp_path):
     """Loading without the optimizer skips files holding only optimizer state; they are checked anyway."""
-
-    def one_layer(seed: int) -> sp.TrainState:
-        torch.manual_seed(seed)
-        model = torch.nn.Linear(64, 64, bias=False)
-        optimizer = torch.optim.Adam(model.parameters())
-        model(torch.randn(2, 64)).sum().backward()
-        optimizer.step()
-        return sp.TrainState(model, optimizer)
-
     # two files: the weight and one moment in one, the other moment and the step in the other
-    sp.Checkpointer(tmp_path, thread_count=2).save(1, one_layer(0))
+    sp.Checkpointer(tmp_path, thread_count=2).save(1, _trained_linear(0))
     directory = tmp_path / "iter_0000001"
     items = _items(directory)
     marker = json.loads((directory / "shardpoint.json").read_text())
@@ -153,7 +162,7 @@ def test_a_data_file_no_rank_reads_is_still_verified(tmp_path):
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
-        sp.Checkpointer(tmp_path).load(one_layer(3), load_optimizer=False)
+        sp.Checkpointer(tmp_path).load(_trained_linear(3), load_optimizer=False)
     assert victim.name in str(info.value)
 
 
@@ -184,11 +193,7 @@ def test_large_tensors_are_read_straight_into_their_targets(tmp_path, monkeypatc
 
 def test_flipped_byte_in_a_tensor_read_straight_into_its_target_is_detected(tmp_path):
     sp.Checkpointer(tmp_path).save(1, _large_state(0))
-    name, offset, length = _items(tmp_path / "iter_0000001")["model.weight"]
-    victim = tmp_path / "iter_0000001" / name
-    data = bytearray(victim.read_bytes())
-    data[offset + length // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
+    name = _flip_item_byte(tmp_path / "iter_0000001", "model.weight", lambda length: length // 2, mask=0x01)
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
         sp.Checkpointer(tmp_path).load(_large_state(1))
     assert name in str(info.value)
@@ -297,17 +302,9 @@ def test_an_archive_zipfile_cannot_parse_falls_back_to_torch_load(tmp_path, veri
 
 def test_a_file_read_only_in_part_is_still_verified(tmp_path):
     """Loading the model only reads a third of the one data file; the rest is still checked."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(256, 128, bias=False)
-    optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 256)).sum().backward()
-    optimizer.step()
-    sp.Checkpointer(tmp_path, thread_count=1).save(1, sp.TrainState(model, optimizer))
-    name, offset, length = _items(tmp_path / "iter_0000001")["optimizer.state.weight.exp_avg"]
-    victim = tmp_path / "iter_0000001" / name
-    data = bytearray(victim.read_bytes())
-    data[offset + length // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
+    sp.Checkpointer(tmp_path, thread_count=1).save(1, _trained_linear(0))
+    directory = tmp_path / "iter_0000001"
+    name = _flip_item_byte(directory, "optimizer.state.weight.exp_avg", lambda length: length // 2, mask=0x01)
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch") as info:
         sp.Checkpointer(tmp_path).load(sp.TrainState(torch.nn.Linear(256, 128, bias=False)), load_optimizer=False)
     assert name in str(info.value)

@@ -65,7 +65,8 @@ class StreamingReads:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        shares = _balanced(per_file, self.thread_count, lambda items: sum(self._info(i).length for i in items))
+        sizes = {name: sum(self._info(item).length for item in items) for name, items in per_file.items()}
+        shares = _balanced(sizes, self.thread_count)
         if len(shares) == 1:
             self._read_files(shares[0], per_file, planner)
         elif shares:
@@ -93,8 +94,8 @@ class StreamingReads:
             places.setdefault((info.offset, info.length), []).append(item)
         record = None if self.expected is None else self.expected.get(name)
         # a rank needing little of a file (resharding) reads just that; the file is checked once, after the load
-        wanted = sum(length for _, length in places)
-        digest = xxhash.xxh3_64() if record is not None and wanted >= record.size * _WHOLE_FILE_SHARE else None
+        needed = sum(length for _, length in places)
+        digest = xxhash.xxh3_64() if record is not None and needed >= record.size * _WHOLE_FILE_SHARE else None
         failure: Exception | None = None
         path = self.fs.concat_path(self.path, name)  # type: ignore[attr-defined]
         with self.fs.create_stream(path, "rb") as stream:  # type: ignore[attr-defined]
@@ -116,7 +117,7 @@ class StreamingReads:
                         failure = exc
             if digest is not None:
                 _hash_through(stream, digest, scratch.view, None, name)
-        if digest is not None and record is not None:
+        if digest is not None and record is not None:  # (a digest implies a record)
             if digest.hexdigest() != record.xxh3_64:
                 raise CorruptCheckpointError(
                     f"checkpoint {self.path} is damaged: {name}: checksum mismatch (the contents changed after "  # type: ignore[attr-defined]
@@ -156,8 +157,9 @@ class StreamingReads:
         destination[: head - start] = buffer[start:head]  # the tensor's first bytes came with the headers
         _update(digest, buffer[:head])
         _read_exactly(stream, destination[head - start :], name, digest)
-        # the records after the tensor, and the directory
-        _read_exactly(stream, buffer[head : head + length - start - size], name, digest)
+        # the records after the tensor and the directory were read with the item's end: hash them, skip past
+        _update(digest, buffer[head + _HEAD - (length - start - size) : head + _HEAD])
+        stream.seek(length - start - size, io.SEEK_CUR)
         planner.commit_tensor(wanted[0], target)
         return None
 
@@ -354,12 +356,12 @@ def _hash_through(stream: Any, digest: Any, buffer: memoryview, count: int | Non
             count -= n
 
 
-def _balanced(per_file: dict[str, list[ReadItem]], workers: int, weight: Any) -> list[list[str]]:
-    """File names split into at most ``workers`` shares of similar size (largest first)."""
-    shares: list[list[str]] = [[] for _ in range(max(1, min(workers, len(per_file))))]
+def _balanced(sizes: dict[str, int], workers: int) -> list[list[str]]:
+    """File names (with the bytes to read from each) split into at most ``workers`` shares of similar size."""
+    shares: list[list[str]] = [[] for _ in range(max(1, min(workers, len(sizes))))]
     loads = [0] * len(shares)
-    for name in sorted(per_file, key=lambda n: -weight(per_file[n])):
+    for name in sorted(sizes, key=lambda n: -sizes[n]):
         lightest = loads.index(min(loads))
         shares[lightest].append(name)
-        loads[lightest] += weight(per_file[name])
+        loads[lightest] += sizes[name]
     return [share for share in shares if share]
