@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.nn.parallel import DistributedDataParallel
 
 import shardpoint as sp
-from shardpoint.state import MODEL_PREFIX, collect
+from shardpoint.state.train_state import MODEL_PREFIX, collect
 from tests.distributed import launch
 
 WRAPPERS = ["plain", "compiled", "ddp", "checkpointed"]

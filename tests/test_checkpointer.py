@@ -316,11 +316,11 @@ def test_validation_logits_are_stored_checksummed_and_returned(tmp_path, async_s
 
 
 def test_retention_never_deletes_the_checkpoint_the_tracker_names(tmp_path):
-    from shardpoint import commit
-    from shardpoint.layout import get_layout
-    from shardpoint.policy import LatestN
-    from shardpoint.retention import apply_retention
-    from shardpoint.storage import open_storage
+    from shardpoint.catalog.layout import get_layout
+    from shardpoint.lifecycle import commit
+    from shardpoint.lifecycle.policy import LatestN
+    from shardpoint.lifecycle.retention import apply_retention
+    from shardpoint.storage.base import open_storage
 
     state = make_state()
     ckpt = sp.Checkpointer(tmp_path)

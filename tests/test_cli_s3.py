@@ -22,7 +22,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint import offline
-from shardpoint.s3 import s3_filesystem
+from shardpoint.storage.s3 import s3_filesystem
 from tests import toy
 from tests.distributed import _CTX, launch
 from tests.test_checkpointer import make_state, train

@@ -17,7 +17,7 @@ from shardpoint.demo.model import GPTConfig
 from shardpoint.demo.procs import run_ranks
 from shardpoint.demo.rng_tracker import DEFAULT, MODEL_PARALLEL
 from shardpoint.demo.trainer import StepInfo, TrainConfig, Trainer
-from shardpoint.state import collect
+from shardpoint.state.train_state import collect
 from tests import toy
 from tests.distributed import launch
 

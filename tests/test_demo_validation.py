@@ -14,11 +14,11 @@ import os
 import torch
 
 import shardpoint as sp
+from shardpoint.catalog.integrity import record_file
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.demo.trainer import TrainConfig, Trainer
 from shardpoint.formats.dist import SafeFileSystemReader
-from shardpoint.integrity import record_file
-from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.storage import open_storage
+from shardpoint.storage.base import open_storage
 from tests.distributed import launch
 from tests.test_demo_training import config
 

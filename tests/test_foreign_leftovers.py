@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 import shardpoint as sp
-from shardpoint import commit
 from shardpoint.commands.verify import check_checkpoint
-from shardpoint.s3 import s3_filesystem
-from shardpoint.storage import open_storage
+from shardpoint.lifecycle import commit
+from shardpoint.storage.base import open_storage
+from shardpoint.storage.s3 import s3_filesystem
 from tests.test_cli_commands import run_cli
 from tests.test_foreign_import import FIXTURES
 

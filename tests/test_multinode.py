@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.node_local import NODE_MARKER, PartialCheckpointError
-from shardpoint.s3 import s3_filesystem
+from shardpoint.lifecycle.node_local import NODE_MARKER, PartialCheckpointError
+from shardpoint.storage.s3 import s3_filesystem
 from tests import toy
 from tests.multinode import results, run_job, start_job, wait_for
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint import node_view
-from shardpoint.node_local import NODE_MARKER, NodeLocalError, _check_partition, probe_domains
-from shardpoint.s3 import s3_filesystem
-from shardpoint.storage import LocalStorage
+from shardpoint.lifecycle import node_view
+from shardpoint.lifecycle.node_local import NODE_MARKER, NodeLocalError, _check_partition, probe_domains
+from shardpoint.storage.base import LocalStorage
+from shardpoint.storage.s3 import s3_filesystem
 from tests import toy
 from tests.distributed import launch
 

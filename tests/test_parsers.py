@@ -7,9 +7,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardpoint.catalog.layout import LAYOUTS
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.layout import LAYOUTS
-from shardpoint.metadata import CheckpointMetadata, FileRecord
 
 layouts = st.sampled_from(sorted(LAYOUTS.values(), key=lambda layout: layout.name))
 

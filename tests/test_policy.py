@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardpoint.policy import (
+from shardpoint.lifecycle.policy import (
     AnySaveDecision,
     BestN,
     CheckpointInfo,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.commit import read_tracker
-from shardpoint.layout import get_layout
-from shardpoint.storage import open_storage
+from shardpoint.catalog.layout import get_layout
+from shardpoint.lifecycle.commit import read_tracker
+from shardpoint.storage.base import open_storage
 from tests import toy
 from tests.distributed import launch
 

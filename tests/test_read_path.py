@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import shardpoint as sp
+from shardpoint.catalog.integrity import without_zip_crc32
 from shardpoint.formats.base import write_torch_file
 from shardpoint.formats.dcp_read import tensor_record
 from shardpoint.formats.dist import SafeFileSystemReader
-from shardpoint.integrity import without_zip_crc32
 from tests.distributed import launch
 from tests.test_checkpointer import assert_same, make_state, train
 
@@ -202,7 +202,7 @@ def test_flipped_byte_in_a_tensor_read_straight_into_its_target_is_detected(tmp_
 def test_gc_pauses_only_on_the_main_thread_and_comes_back():
     import gc
 
-    from shardpoint.safe_io import paused_gc
+    from shardpoint.storage.safe_io import paused_gc
 
     assert gc.isenabled()
     with paused_gc():
@@ -221,7 +221,7 @@ def test_gc_pauses_only_on_the_main_thread_and_comes_back():
 
 
 def test_where_torch_keeps_the_crc_setting_process_wide_it_is_left_on(tmp_path, monkeypatch):
-    from shardpoint import integrity
+    from shardpoint.catalog import integrity
 
     monkeypatch.setattr(integrity, "_CRC_PER_THREAD", False)
     write_torch_file({"w": torch.ones(1000)}, str(tmp_path / "ours.pt"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.lock import LockedError
+from shardpoint.storage.lock import LockedError
 from tests.test_checkpointer import assert_same, make_state, train
 
 FORMATS = ["dist", "torch"]
@@ -232,8 +232,8 @@ class Exploit:
 
 def rewrite_checksums(directory: Path) -> None:
     """What an attacker would do: make the marker vouch for the crafted files."""
-    from shardpoint.integrity import record_file
-    from shardpoint.storage import LocalStorage
+    from shardpoint.catalog.integrity import record_file
+    from shardpoint.storage.base import LocalStorage
 
     marker_path = directory / "shardpoint.json"
     marker = json.loads(marker_path.read_text())
@@ -272,7 +272,7 @@ def test_pickle_payload_in_dcp_metadata_never_runs(tmp_path):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # DCP writer threads
 def test_a_failing_extra_writer_thread_fails_the_save(tmp_path, monkeypatch):
     """DCP drops exceptions of its extra writer threads; the save must not commit without their tensors."""
-    from shardpoint.integrity import HashingWriter
+    from shardpoint.catalog.integrity import HashingWriter
 
     real_write = HashingWriter.write
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.s3 import s3_filesystem
+from shardpoint.storage.s3 import s3_filesystem
 from tests import toy
 from tests.distributed import launch
 from tests.test_bench import run_bench_json

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import shardpoint as sp
 from shardpoint.demo.optim import DistributedAdamW
-from shardpoint.state import collect
+from shardpoint.state.train_state import collect
 
 LAYERS, HIDDEN, VOCAB = 4, 8, 16
 

@@ -18,11 +18,19 @@ from shardpoint.errors import (
     UnsafeCheckpointError,
     ValidationError,
 )
-from shardpoint.node_local import NodeLocalError, PartialCheckpointError
-from shardpoint.policy import BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN
-from shardpoint.sharding import RankLocal, Shard, column_parallel, divide, row_parallel, shard_along, vocab_parallel
-from shardpoint.state import TrainState
-from shardpoint.topology import Topology
+from shardpoint.lifecycle.node_local import NodeLocalError, PartialCheckpointError
+from shardpoint.lifecycle.policy import BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.sharding import (
+    RankLocal,
+    Shard,
+    column_parallel,
+    divide,
+    row_parallel,
+    shard_along,
+    vocab_parallel,
+)
+from shardpoint.state.train_state import TrainState
 
 __all__ = [
     "BestN",

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardpoint.storage import open_storage
+from shardpoint.storage.base import open_storage
 
 __all__ = ["BenchConfig", "add_parser", "parse_size", "run_bench"]
 
@@ -236,7 +236,7 @@ class Methods:
 
     def replica_hash(self) -> None:
         """What the replica check costs when every byte is replicated (pure data parallel): hash it all."""
-        from shardpoint.replicas import fingerprint
+        from shardpoint.state.replicas import fingerprint
 
         for tensor in self.state.values():
             fingerprint(tensor)
@@ -370,8 +370,8 @@ def _worker(rank: int, world: int, port: int, config: dict[str, Any], root: str,
 
 def _bytes_written(root: str, rank: int) -> int:
     """Bytes of the newest checkpoint under ``root`` in this rank's DCP files (from its marker)."""
-    from shardpoint import commit
-    from shardpoint.layout import get_layout
+    from shardpoint.catalog.layout import get_layout
+    from shardpoint.lifecycle import commit
 
     storage = open_storage(root)
     entries = [e for e in commit.list_checkpoints(storage, storage.root, get_layout("megatron")) if e.committed]

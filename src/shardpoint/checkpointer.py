@@ -1,15 +1,15 @@
 """The Checkpointer: the user's entry point, sequencing policy, saving and loading.
 
 A save: the save policy decides (``maybe_save``), the state is collected into a
-:class:`~shardpoint.state.FlatState`, and :class:`~shardpoint.save_pipeline.SavePipeline`
-writes and commits it (see there for the steps, and :mod:`shardpoint.commit` for
+:class:`~shardpoint.state.train_state.FlatState`, and :class:`~shardpoint.lifecycle.save_pipeline.SavePipeline`
+writes and commits it (see there for the steps, and :mod:`shardpoint.lifecycle.commit` for
 why their order is safe); old checkpoints are deleted in the background.
 
 A load: rank 0 picks the checkpoint (tracker, or ``iteration=N``) and reads its
 marker, everyone receives that one answer, checks config and integrity, and the
 format fills the live tensors in place.
 
-Each step that can fail locally runs under :func:`shardpoint._comm.agree`, so a
+Each step that can fail locally runs under :func:`shardpoint.parallel.comm.agree`, so a
 failure on one rank is raised on all ranks instead of leaving the others waiting in
 a collective.
 """
@@ -26,22 +26,32 @@ from typing import Any
 
 import torch
 
-from shardpoint import _comm
-from shardpoint.discovery import LoadSources, verify_share, verify_unread
+from shardpoint.catalog.layout import Layout, get_layout
+from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import (
     ConfigMismatchError,
     MissingKeysError,
 )
 from shardpoint.formats import FormatContext, Loaded, get_format
 from shardpoint.formats.base import read_torch_file
-from shardpoint.layout import Layout, get_layout
-from shardpoint.metadata import CheckpointMetadata
-from shardpoint.naming import Rename
-from shardpoint.node_local import detect as detect_nodes
-from shardpoint.policy import AnySaveDecision, BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN, PreservationPolicy
-from shardpoint.rank_local import RESHARD_POLICIES
-from shardpoint.save_pipeline import VALIDATION_FILE, SavePipeline
-from shardpoint.state import (
+from shardpoint.lifecycle.discovery import LoadSources, verify_share, verify_unread
+from shardpoint.lifecycle.node_local import detect as detect_nodes
+from shardpoint.lifecycle.policy import (
+    AnySaveDecision,
+    BestN,
+    EveryNMinutes,
+    EveryNSteps,
+    KeepEvery,
+    LatestN,
+    PreservationPolicy,
+)
+from shardpoint.lifecycle.save_pipeline import VALIDATION_FILE, SavePipeline
+from shardpoint.lifecycle.upload import RemoteMirror
+from shardpoint.parallel import comm
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.naming import Rename
+from shardpoint.state.rank_local import RESHARD_POLICIES
+from shardpoint.state.train_state import (
     MODEL_PREFIX,
     OPTIM_PREFIX,
     FlatState,
@@ -51,9 +61,7 @@ from shardpoint.state import (
     load_optimizer_shards,
     restore,
 )
-from shardpoint.storage import Storage, open_storage
-from shardpoint.topology import Topology
-from shardpoint.upload import RemoteMirror
+from shardpoint.storage.base import Storage, open_storage
 
 __all__ = ["VALIDATION_FILE", "Checkpointer", "LoadResult"]
 
@@ -104,7 +112,7 @@ class Checkpointer:
         keep_every: also keep every checkpoint whose iteration is a multiple of K.
         keep_best: also keep the N best by a metric: ``(N, "val_loss", "min")``.
         async_save: copy the state to host memory and write it in the background
-            (``dist`` format); see :mod:`shardpoint.async_save`.
+            (``dist`` format); see :mod:`shardpoint.lifecycle.async_save`.
         config: the model's defining arguments, stored as JSON and compared on load.
         allow_config_mismatch: config keys that may differ between save and load.
         verify: check file checksums on load (sizes are always checked).
@@ -112,13 +120,13 @@ class Checkpointer:
             (default: twice the cores, at most 4; I/O waits on the disk more than on the CPU).
         upload_to: local-first mode: after each local commit, copy the checkpoint to
             this ``s3://`` prefix in the background and move the remote tracker when the
-            upload is complete (see :mod:`shardpoint.upload`).
+            upload is complete (see :mod:`shardpoint.lifecycle.upload`).
         node_local: whether ``path`` is a different, unshared directory on each node
             (with ``upload_to``); None finds out with a probe file at construction
-            (see :mod:`shardpoint.node_local`).
+            (see :mod:`shardpoint.lifecycle.node_local`).
         replica_check_interval: compare tensors that several ranks hold (declared
             replicas) by hash on the first save and every N-th save after it (1: every
-            save, 0: never); a mismatch stops the save. See :mod:`shardpoint.replicas`.
+            save, 0: never); a mismatch stops the save. See :mod:`shardpoint.state.replicas`.
 
     Example:
         >>> ckpt = Checkpointer("runs/gpt", topology=topo, save_interval=100, keep_last=3)
@@ -157,7 +165,7 @@ class Checkpointer:
             raise ValueError(f"replica_check_interval must be >= 0, got {replica_check_interval}")
         self.storage = open_storage(path)
         self.root = self.storage.root
-        self.topology = topology or Topology(1, 1, _comm.world_size())
+        self.topology = topology or Topology(1, 1, comm.world_size())
         self.format = get_format(format)
         self.layout: Layout = get_layout(layout)
         decisions = [EveryNSteps(save_interval)] if save_interval else []
@@ -222,7 +230,7 @@ class Checkpointer:
         self._finalize(blocking=False)
         decision = self.save_policy.should_save(iteration, time.time(), self._saver.times.last_save_time)
         if self._time_based:
-            decision = _comm.broadcast(decision)
+            decision = comm.broadcast(decision)
         if decision and iteration != self.last_saved_iteration:
             self.save(iteration, state, metrics=metrics, validation_logits=validation_logits)
             return True
@@ -327,7 +335,7 @@ class Checkpointer:
         (default) raises naming those states; ``"reinit"`` loads everything else and
         re-initialises them to zeros with a warning naming each one.
 
-        Keys are the model's own names whatever wraps it (see :mod:`shardpoint.naming`).
+        Keys are the model's own names whatever wraps it (see :mod:`shardpoint.state.naming`).
         ``rename`` maps saved names onto current ones for checkpoints from before a
         refactor: ``{"old.name": "new.name"}`` or a callable, applied to model names
         (optimizer state follows its parameter); a strict load then names what is
@@ -344,9 +352,9 @@ class Checkpointer:
         self._finalize(blocking=True)
         self._saver.wait_deletions()  # a load may name an old iteration that retention is deleting
         verify = self.verify if verify is None else verify
-        rank = _comm.rank()
-        found = _comm.broadcast(
-            _comm.agree(
+        rank = comm.rank()
+        found = comm.broadcast(
+            comm.agree(
                 lambda: self._sources.find(iteration, verify and fallback) if rank == 0 else None,
                 "finding the checkpoint",
             )
@@ -371,9 +379,9 @@ class Checkpointer:
         )
         # every file some rank reads, split over all ranks (each rank's own list may differ: torch format);
         # the format checks the checksums of some files as it reads them, in the same pass
-        files = sorted(set().union(*_comm.all_gather(fmt.files_to_read(ctx, meta))))
+        files = sorted(set().union(*comm.all_gather(fmt.files_to_read(ctx, meta))))
         streamed = fmt.checksummed_while_reading(meta) if verify else set()
-        _comm.agree(lambda: verify_share(storage, path, meta, files, verify, streamed), "verifying checkpoint files")
+        comm.agree(lambda: verify_share(storage, path, meta, files, verify, streamed), "verifying checkpoint files")
         flat = collect(
             state,
             iteration=meta.iteration,

@@ -9,7 +9,7 @@ reshard on load and need conversion only to change format or directory names.
 
 SRC and DST may each be a local path or ``s3://bucket/prefix``. A destination on
 object storage is written in place and committed by its marker, then the tracker
-(:mod:`shardpoint.commit`); unlike a local one it has no writer lock.
+(:mod:`shardpoint.lifecycle.commit`); unlike a local one it has no writer lock.
 
 ``--from-hf`` imports a Hugging Face model directory (local) instead (``shardpoint.demo.hf``).
 
@@ -30,7 +30,7 @@ from typing import Any
 from shardpoint import offline
 from shardpoint.commands._hf import hf_function
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded
-from shardpoint.storage import open_storage
+from shardpoint.storage.base import open_storage
 
 __all__ = ["add_parser", "parse_split_dim", "run"]
 

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardpoint import offline
+from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.commands._hf import hf_function
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes
 from shardpoint.commands.inspect import read_common
 from shardpoint.errors import CheckpointError
-from shardpoint.metadata import MARKER_NAME
-from shardpoint.state import MODEL_PREFIX
-from shardpoint.storage import open_storage
+from shardpoint.state.train_state import MODEL_PREFIX
+from shardpoint.storage.base import open_storage
 
 if TYPE_CHECKING:
     from shardpoint.foreign import ForeignCheckpoint

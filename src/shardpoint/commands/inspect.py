@@ -30,7 +30,9 @@ import re
 from dataclasses import asdict
 from typing import Any
 
-from shardpoint import commit, offline
+from shardpoint import offline
+from shardpoint.catalog.integrity import verify_files
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.commands._output import (
     EXIT_OK,
     EXIT_PROBLEM,
@@ -46,9 +48,8 @@ from shardpoint.errors import CheckpointError
 from shardpoint.formats.base import read_torch_file
 from shardpoint.formats.dist import COMMON_FILE
 from shardpoint.formats.torch_format import MAIN_FILE
-from shardpoint.integrity import verify_files
-from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.storage import Storage, open_storage
+from shardpoint.lifecycle import commit
+from shardpoint.storage.base import Storage, open_storage
 
 __all__ = ["add_parser", "describe_directory", "describe_foreign", "read_common", "run"]
 

@@ -2,13 +2,13 @@
 
 The rules are the ones a :class:`~shardpoint.Checkpointer` applies after each save
 (``keep_last`` = :class:`~shardpoint.LatestN`, ``keep_every`` =
-:class:`~shardpoint.KeepEvery`, decided by :func:`shardpoint.policy.select_for_deletion`),
+:class:`~shardpoint.KeepEvery`, decided by :func:`shardpoint.lifecycle.policy.select_for_deletion`),
 so pruning by hand keeps what the job would have kept. Never deleted: the
 checkpoint the tracker names (a resume needs it), ``release/``, and directories
 without a marker (possibly a save in progress; ``verify --all`` reports them).
 Leftover temporary directories of interrupted saves are removed too.
 
-Pruning a local directory takes its writer lock (:mod:`shardpoint.lock`), so it
+Pruning a local directory takes its writer lock (:mod:`shardpoint.storage.lock`), so it
 refuses to run while a job saves there: that job's save in progress would look like
 a leftover. Object storage (``s3://``) has no writer lock, so there pruning deletes
 only what retention rules out, says that it ran unguarded, and leaves iteration
@@ -22,11 +22,12 @@ import argparse
 import logging
 from typing import Any
 
-from shardpoint import commit, offline
+from shardpoint import offline
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes, new_table
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.policy import CheckpointInfo, KeepEvery, LatestN, PreservationPolicy, select_for_deletion
-from shardpoint.storage import Storage, open_storage
+from shardpoint.lifecycle import commit
+from shardpoint.lifecycle.policy import CheckpointInfo, KeepEvery, LatestN, PreservationPolicy, select_for_deletion
+from shardpoint.storage.base import Storage, open_storage
 
 __all__ = ["add_parser", "plan", "run"]
 

@@ -1,7 +1,7 @@
 """``shardpoint verify``: is a checkpoint complete and unchanged since it was saved?
 
 Every file listed in ``shardpoint.json`` is checked for presence, size and XXH3
-checksum (:func:`shardpoint.integrity.verify_files`); each bad file is named. Also
+checksum (:func:`shardpoint.catalog.integrity.verify_files`); each bad file is named. Also
 reported as problems: files in the checkpoint directory that the marker does not
 list (something wrote there after the commit), a checkpoint directory without a
 marker (a save that never committed), and a tracker naming a checkpoint that does
@@ -23,13 +23,14 @@ import argparse
 import posixpath
 from typing import Any
 
-from shardpoint import commit, offline
+from shardpoint import offline
+from shardpoint.catalog.integrity import verify_files
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.commands._output import EXIT_OK, EXIT_PROBLEM, Output, add_output_flags, guarded, human_bytes, new_table
 from shardpoint.commands.inspect import describe_directory
 from shardpoint.errors import CheckpointError
-from shardpoint.integrity import verify_files
-from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.storage import Storage, open_storage
+from shardpoint.lifecycle import commit
+from shardpoint.storage.base import Storage, open_storage
 
 __all__ = ["add_parser", "check_checkpoint", "run", "unrecorded_files"]
 

@@ -35,12 +35,13 @@ from rich.console import Console
 from rich.progress import Progress
 
 import shardpoint as sp
-from shardpoint import commit
+from shardpoint.catalog.layout import get_layout
+from shardpoint.demo.phases import prepare_directories, reference_phase
 from shardpoint.demo.procs import free_port
 from shardpoint.demo.report import PhaseReport, compare_losses, phase_progress, plot_losses
 from shardpoint.demo.trainer import TrainConfig
-from shardpoint.layout import get_layout
-from shardpoint.storage import open_storage
+from shardpoint.lifecycle import commit
+from shardpoint.storage.base import open_storage
 
 __all__ = ["loopback_s3", "run_cluster_demo", "wait_for_s3_server"]
 
@@ -70,7 +71,7 @@ def loopback_s3(directory: str) -> Any:
             AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="demo", AWS_SECRET_ACCESS_KEY="demo"
         )
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        from shardpoint.s3 import s3_filesystem
+        from shardpoint.storage.s3 import s3_filesystem
 
         s3_filesystem().mkdir("shardpoint-demo")
         yield "s3://shardpoint-demo/demo"
@@ -203,10 +204,8 @@ def run_cluster_demo(
     settings: Any, nnodes: int, remote_root: str, out: str, console: Console, show_progress: bool = True
 ) -> tuple[list[PhaseReport], list[str]]:
     """The phases of the module docstring; returns their reports and the checks that failed."""
-    from shardpoint.demo.launch import _prepare_directories, _reference_phase
-
     storage = open_storage(remote_root)
-    _prepare_directories([(storage, storage.root, "--dir"), (open_storage(out), out, "--out")])
+    prepare_directories([(storage, storage.root, "--dir"), (open_storage(out), out, "--out")])
     node_root = os.path.join(out, "nodes")
     shutil.rmtree(node_root, ignore_errors=True)
     node_dirs = [os.path.join(node_root, f"node{k}") for k in range(nnodes)]
@@ -219,7 +218,7 @@ def run_cluster_demo(
         return bool(losses) and max(losses) >= n // 2 and commit.read_tracker(storage, run_remote, tracker)[0]
 
     with progress:
-        reference = _reference_phase(replace(settings, directory=remote_root), storage, storage.root, out, progress)
+        reference = reference_phase(replace(settings, directory=remote_root), storage, storage.root, out, progress)
         config = settings.train_config(node_dirs[0], settings.layout, upload_to=run_remote)
         train, _, killed = _run_phase(
             f"train ({nnodes} nodes)", config, node_dirs, os.path.join(out, "logs", "train"), progress,

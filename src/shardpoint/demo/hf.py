@@ -37,17 +37,17 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import shardpoint as sp
-from shardpoint import commit
+from shardpoint.catalog.integrity import verify_files
+from shardpoint.catalog.layout import get_layout
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.demo.model import WORD_EMBEDDINGS, GPTConfig, GPTModel
 from shardpoint.demo.parallel import build_parallel_state
 from shardpoint.demo.procs import run_function
 from shardpoint.demo.rng_tracker import RNGTracker
 from shardpoint.formats.dist import dcp_reader
-from shardpoint.integrity import verify_files
-from shardpoint.layout import get_layout
-from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.sharding import copy_overlap
-from shardpoint.storage import open_storage
+from shardpoint.lifecycle import commit
+from shardpoint.state.sharding import copy_overlap
+from shardpoint.storage.base import open_storage
 
 __all__ = ["export_hf", "from_hf_state_dict", "import_hf", "read_full_model", "to_hf_state_dict"]
 

@@ -25,67 +25,25 @@ object storage, loses a node and resumes on one (see :mod:`shardpoint.demo.clust
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress
 
 import shardpoint as sp
-from shardpoint import commit
+from shardpoint.catalog.layout import get_layout
 from shardpoint.demo.cluster import loopback_s3, run_cluster_demo
-from shardpoint.demo.model import GPTConfig
-from shardpoint.demo.procs import RunOutcome, run_ranks
+from shardpoint.demo.phases import DemoSettings, output_dir, prepare_directories, reference_phase, run_phase
+from shardpoint.demo.procs import RunOutcome
 from shardpoint.demo.report import PhaseReport, compare_losses, phase_progress, plot_losses, render_table, summary_json
-from shardpoint.demo.trainer import StepInfo, TrainConfig
-from shardpoint.layout import get_layout
-from shardpoint.storage import Storage, open_storage
+from shardpoint.lifecycle import commit
+from shardpoint.storage.base import Storage, open_storage
 
 __all__ = ["DemoSettings", "add_parser", "run", "run_demo"]
-
-_MARKER = ".shardpoint-demo"
-_REFERENCE_RECORD = "demo_reference.json"
-
-
-@dataclass(frozen=True)
-class DemoSettings:
-    """What ``shardpoint demo`` runs (its flags).
-
-    ``directory`` holds the checkpoints (local or ``s3://bucket/prefix``); ``output``
-    the local files, rank logs and ``loss.png`` (None: ``directory`` when local, else
-    a new temporary directory).
-    """
-
-    directory: str = "runs/demo"
-    output: str | None = None
-    layout: tuple[int, int, int] = (2, 2, 1)
-    reshard_layout: tuple[int, int, int] = (1, 2, 2)
-    iters: int = 150
-    save_interval: int = 25
-    seed: int = 1234
-    reuse_reference: bool = True
-
-    def train_config(self, save: str, layout: tuple[int, int, int], **overrides: Any) -> TrainConfig:
-        tp, pp, dp = layout
-        return TrainConfig(
-            save=save,
-            tp=tp,
-            pp=pp,
-            dp=dp,
-            model=GPTConfig(),
-            train_iters=self.iters,
-            save_interval=self.save_interval,
-            seed=self.seed,
-            validate_forward=True,
-            warmup_iters=max(1, self.iters // 10),
-            **overrides,
-        )
 
 
 def add_parser(subparsers: Any) -> None:
@@ -149,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     world = args.tp * args.pp * args.dp
     if args.nnodes < 1 or world % args.nnodes:
         raise sp.CheckpointError(f"--nnodes {args.nnodes} must divide the world size tp*pp*dp = {world}")
-    settings = replace(settings, output=_output_dir(settings))
+    settings = replace(settings, output=output_dir(settings))
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is noise here
     stream = sys.stderr if args.json else sys.stdout
     # Not a terminal (a log, a pipe): no width to fit, so keep the table on one line per row.
@@ -198,25 +156,25 @@ def run_demo(
     """Run the four phases; returns their reports and the checks that failed."""
     storage = open_storage(settings.directory)
     root = storage.root
-    out = _output_dir(settings)
+    out = output_dir(settings)
     places = [(storage, root, "--dir")] + ([(open_storage(out), out, "--out")] if out != root else [])
-    _prepare_directories(places)
+    prepare_directories(places)
     n = settings.iters
     stop_after, problems = max(1, n // 3), []
     progress = phase_progress(console, show_progress, width=22)
     with progress:
-        reference = _reference_phase(settings, storage, root, out, progress)
+        reference = reference_phase(settings, storage, root, out, progress)
         run_dir = storage.join(root, "run")
-        train, preempted = _phase(
+        train, preempted = run_phase(
             "train (SIGTERM)", settings.train_config(run_dir, settings.layout), out, progress, sigterm_after=stop_after
         )
         problems += _check_preemption(preempted, storage, run_dir)
         stopped = preempted.result.iteration
         exit_at = min(n - 1, max(stopped + 1, 2 * n // 3))
-        resume, _ = _phase(
+        resume, _ = run_phase(
             "resume", settings.train_config(run_dir, settings.layout, exit_interval=exit_at), out, progress
         )
-        reshard, _ = _phase("reshard", settings.train_config(run_dir, settings.reshard_layout), out, progress)
+        reshard, _ = run_phase("reshard", settings.train_config(run_dir, settings.reshard_layout), out, progress)
     train.note = (
         f"SIGTERM sent after it {preempted.sigterm_sent_after}; saved it {stopped}, exit codes {preempted.exit_codes}"
     )
@@ -234,86 +192,6 @@ def run_demo(
     phases = [reference, train, resume, reshard]
     plot_losses([train, resume, reshard], reference.losses, os.path.join(out, "loss.png"))
     return phases, problems
-
-
-def _output_dir(settings: DemoSettings) -> str:
-    """The local directory for logs and ``loss.png`` (see :class:`DemoSettings`)."""
-    if settings.output is not None:
-        return os.path.abspath(settings.output)
-    storage = open_storage(settings.directory)
-    return storage.root if storage.is_local else tempfile.mkdtemp(prefix="shardpoint-demo-")
-
-
-def _prepare_directories(places: list[tuple[Storage, str, str]]) -> None:
-    """Create the demo's directories (or prefixes), or clear the previous demo's run in them.
-
-    ``places`` are ``(storage, root, flag)``. One that holds anything but not the
-    demo's marker is refused, never cleared: it may hold someone's checkpoints. All
-    are checked before any is touched, so one may lie inside another.
-    """
-    for storage, root, flag in places:
-        if storage.exists(root) and not storage.is_dir(root):
-            raise sp.CheckpointError(f"{root} is a file; pass another {flag}")
-        names = storage.listdir(root)
-        if names and _MARKER not in names:
-            raise sp.CheckpointError(f"{root} exists and was not created by `shardpoint demo`; pass another {flag}")
-    for storage, root, _ in places:
-        for name in ("run", "logs"):
-            storage.remove(storage.join(root, name))
-        storage.makedirs(root)
-        storage.write_atomic(
-            storage.join(root, _MARKER),
-            b"created by `shardpoint demo`; its subdirectories are replaced by the next demo run\n",
-        )
-
-
-def _phase(
-    name: str, config: TrainConfig, out: str, progress: Progress, sigterm_after: int | None = None
-) -> tuple[PhaseReport, RunOutcome]:
-    """Run one phase with a progress bar, rank logs under ``out``; returns its report and how its ranks ended."""
-    task = progress.add_task(name, total=config.train_iters, loss="-")
-
-    def on_step(info: StepInfo) -> None:
-        progress.update(task, completed=info.iteration, loss=f"{info.loss:.3f}")
-
-    log_dir = os.path.join(out, "logs", name.split()[0])
-    os.makedirs(log_dir, exist_ok=True)
-    outcome = run_ranks(config, on_step=on_step, sigterm_after=sigterm_after, log_dir=log_dir)
-    result = outcome.result
-    report = PhaseReport(
-        name,
-        (config.tp, config.pp, config.dp),
-        dict(result.losses),
-        sum(s.seconds for s in result.saves),
-        sum(s.bytes for s in result.saves),
-        outcome.wall_seconds,
-        exit_codes=list(outcome.exit_codes),
-    )
-    return report, outcome
-
-
-def _reference_phase(settings: DemoSettings, storage: Storage, root: str, out: str, progress: Progress) -> PhaseReport:
-    """The uninterrupted run, or the recorded one when its settings match (``--no-reuse`` reruns it).
-
-    The record lives beside the reference checkpoints (on object storage too).
-    """
-    ref_dir = storage.join(root, "reference")
-    record_path = storage.join(ref_dir, _REFERENCE_RECORD)
-    config = settings.train_config(ref_dir, settings.layout)
-    key = json.loads(json.dumps(asdict(replace(config, save=""))))
-    if settings.reuse_reference and storage.exists(record_path):
-        record = json.loads(storage.read_bytes(record_path))
-        if record.get("config") == key:
-            losses = {int(k): float(v) for k, v in record["losses"].items()}
-            return PhaseReport(
-                "reference (reused)", settings.layout, losses, 0.0, 0, 0.0, note=f"recorded in {record_path}"
-            )
-    storage.remove(ref_dir)
-    report, _ = _phase("reference", config, out, progress)
-    report.note = "uninterrupted"
-    record = {"config": key, "losses": {str(k): v for k, v in report.losses.items()}}
-    storage.write_atomic(record_path, json.dumps(record).encode())
-    return report
 
 
 def _check_preemption(outcome: RunOutcome, storage: Storage, run_dir: str) -> list[str]:

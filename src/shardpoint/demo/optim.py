@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardpoint.sharding import Shard
-from shardpoint.state import find_param, param_shard_index
+from shardpoint.state.sharding import Shard
+from shardpoint.state.train_state import find_param, param_shard_index
 
 __all__ = ["DistributedAdamW"]
 

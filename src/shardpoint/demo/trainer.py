@@ -39,7 +39,7 @@ from shardpoint.demo.pipeline import forward_backward
 from shardpoint.demo.preemption import ExitSignalHandler, agree_to_exit
 from shardpoint.demo.rng_tracker import RNGTracker
 from shardpoint.demo.validation import check_validation_logits, validation_logits, validation_tokens
-from shardpoint.node_local import committed_metadata
+from shardpoint.lifecycle.node_local import committed_metadata
 
 __all__ = ["SaveRecord", "StepInfo", "TrainConfig", "TrainResult", "Trainer", "cosine_with_warmup"]
 
@@ -69,7 +69,7 @@ class TrainConfig:
         format: checkpoint format, ``"dist"`` (reshardable) or ``"torch"``.
         log_interval: log loss and throughput every N iterations (rank 0).
         upload_to: local-first mode, ``s3://`` prefix the checkpoints are uploaded to
-            (``save`` may then be a node-local directory, see :mod:`shardpoint.node_local`).
+            (``save`` may then be a node-local directory, see :mod:`shardpoint.lifecycle.node_local`).
     """
 
     save: str

@@ -7,7 +7,7 @@ class of theirs is ever imported: each allowed name is mapped to an inert stand-
 (:class:`ForeignEnum`, :class:`ForeignObject`, :class:`ForeignFunction`) that only
 records the data the pickle hands it.
 
-Two doors, as in :mod:`shardpoint.safe_io`:
+Two doors, as in :mod:`shardpoint.storage.safe_io`:
 
 1. :func:`torch.serialization.get_unsafe_globals_in_checkpoint` lists every global a
    file names, *without unpickling it*; any name outside :data:`ALLOWED` raises
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from shardpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
-from shardpoint.safe_io import RestrictedUnpickler, load_dcp_metadata
+from shardpoint.storage.safe_io import RestrictedUnpickler, load_dcp_metadata
 
 __all__ = [
     "ALLOWED",

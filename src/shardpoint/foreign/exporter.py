@@ -51,7 +51,7 @@ from shardpoint.foreign.structure import (
     split_dim,
     split_for_tp,
 )
-from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX
+from shardpoint.state.train_state import MODEL_PREFIX, OPTIM_PREFIX
 
 __all__ = ["export_megatron", "from_shardpoint"]
 

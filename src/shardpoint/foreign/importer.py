@@ -38,7 +38,7 @@ from shardpoint.foreign.megatron import MODEL_FILE, is_legacy_dir, read_legacy
 from shardpoint.foreign.megatron_torch_dist import is_torch_dist_dir, read_torch_dist
 from shardpoint.offline import refuse_writing_into_source, write_checkpoint
 from shardpoint.offline._common import ProgressFn
-from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX
+from shardpoint.state.train_state import MODEL_PREFIX, OPTIM_PREFIX
 
 __all__ = ["detect", "find_foreign", "import_checkpoint", "locate", "read_foreign", "to_shardpoint"]
 
@@ -86,8 +86,8 @@ def find_foreign(path: str | os.PathLike[str], iteration: int | None = None) -> 
     Megatron's legacy one, and is read by shardpoint's own readers. Never raises for
     what it does not recognise, so callers can fall back to shardpoint's tools.
     """
-    from shardpoint.commit import IN_PROGRESS_NAME
-    from shardpoint.metadata import MARKER_NAME
+    from shardpoint.catalog.metadata import MARKER_NAME
+    from shardpoint.lifecycle.commit import IN_PROGRESS_NAME
 
     text = os.fspath(path)
     if "://" in text or not os.path.isdir(text):

@@ -1,4 +1,10 @@
-"""Storage formats: how a flattened train state becomes files. See :mod:`.base`."""
+"""Layer 4, formats: how a flattened train state becomes files. See :mod:`.base`.
+
+``dist`` (DCP shard files, reshardable) and ``torch`` (one ``torch.save`` file per
+model-parallel rank, Megatron's legacy format) implement one interface.
+
+May import: errors, parallel, storage, catalog, state.
+"""
 
 from shardpoint.formats.base import CheckpointFormat, FormatContext, Loaded
 from shardpoint.formats.dist import DistFormat

@@ -14,13 +14,13 @@ from typing import Any, Protocol
 
 import torch
 
-from shardpoint import rank_local
-from shardpoint.integrity import HashingWriter, without_zip_crc32
-from shardpoint.metadata import CheckpointMetadata, FileRecord
-from shardpoint.safe_io import safe_torch_load
-from shardpoint.state import FlatState
-from shardpoint.storage import LocalStorage, Storage
-from shardpoint.topology import Topology
+from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
+from shardpoint.parallel.topology import Topology
+from shardpoint.state import rank_local
+from shardpoint.state.train_state import FlatState
+from shardpoint.storage.base import LocalStorage, Storage
+from shardpoint.storage.safe_io import safe_torch_load
 
 __all__ = ["CheckpointFormat", "FormatContext", "Loaded", "read_torch_file", "unexpected_keys", "write_torch_file"]
 
@@ -101,7 +101,7 @@ def unexpected_keys(saved: set[str], wanted: set[str]) -> list[str]:
     Loading without the optimizer leaves every ``optimizer.*`` key unasked; that is a
     choice, not a mismatch, so only parts (``model``, ``optimizer``) that were asked
     for can hold unexpected keys. Rank-local copies are placed by
-    :func:`shardpoint.rank_local.resolve`, which decides what each rank reads of them.
+    :func:`shardpoint.state.rank_local.resolve`, which decides what each rank reads of them.
     """
     asked_parts = {k.split(".", 1)[0] for k in wanted}
     return sorted(

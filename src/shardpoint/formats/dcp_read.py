@@ -30,8 +30,8 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
+from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.metadata import FileRecord
 
 __all__ = ["StreamingReads", "tensor_record"]
 

@@ -7,7 +7,7 @@ load them, and plain ``dcp.load`` reads them with no shardpoint import.
 
 DCP's default planners only understand whole tensors, ``DTensor`` and the old
 ``ShardedTensor``. :class:`ShardSavePlanner` / :class:`ShardLoadPlanner` teach them
-:class:`~shardpoint.sharding.Shard`: the write item of a shard is its box in the
+:class:`~shardpoint.state.sharding.Shard`: the write item of a shard is its box in the
 global tensor, and a load reads exactly the saved chunks that overlap this rank's
 boxes (not the whole checkpoint).
 
@@ -44,16 +44,17 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from shardpoint import _comm, naming, rank_local
+from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.formats.dcp_read import StreamingReads
-from shardpoint.integrity import HashingWriter, without_zip_crc32
-from shardpoint.metadata import CheckpointMetadata, FileRecord
-from shardpoint.safe_io import load_dcp_metadata, paused_gc
-from shardpoint.sharding import Shard
-from shardpoint.state import FlatState
-from shardpoint.storage import Storage
+from shardpoint.parallel import comm
+from shardpoint.state import naming, rank_local
+from shardpoint.state.sharding import Shard
+from shardpoint.state.train_state import FlatState
+from shardpoint.storage.base import Storage
+from shardpoint.storage.safe_io import load_dcp_metadata, paused_gc
 
 __all__ = [
     "DistFormat",
@@ -292,7 +293,7 @@ def dcp_reader(
 def _fsspec_options(path: str, reading: bool) -> dict[str, Any]:
     """The same client settings (retries, timeouts) as shardpoint's own S3 requests."""
     if path.startswith("s3://"):
-        from shardpoint.s3 import READ_BLOCK, WRITE_BLOCK, s3_options
+        from shardpoint.storage.s3 import READ_BLOCK, WRITE_BLOCK, s3_options
 
         return s3_options(READ_BLOCK if reading else WRITE_BLOCK)
     return {}
@@ -304,7 +305,7 @@ class DistFormat:
     name = "dist"
 
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
-        rank = _comm.rank()
+        rank = comm.rank()
         storage, directory = ctx.storage, ctx.directory
         storage.makedirs(storage.join(directory, "rng"))
         writer = dcp_writer(storage, directory, ctx.thread_count)
@@ -317,7 +318,7 @@ class DistFormat:
                 storage_writer=writer,
                 planner=ShardSavePlanner(shards),
                 process_group=ctx.process_group,
-                no_dist=not _comm.initialized(),
+                no_dist=not comm.initialized(),
             )
         files = writer.records()
         if flat.per_rank:
@@ -337,25 +338,25 @@ class DistFormat:
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
         expected = {n: meta.files[n] for n in self.checksummed_while_reading(meta)} if ctx.verify else None
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items)
-        metadata = _comm.agree(reader.read_metadata, "reading DCP metadata")
-        targets, plan = _comm.agree(lambda: self._targets(ctx, flat, meta, metadata), "placing per-rank state")
+        metadata = comm.agree(reader.read_metadata, "reading DCP metadata")
+        targets, plan = comm.agree(lambda: self._targets(ctx, flat, meta, metadata), "placing per-rank state")
         missing, unexpected = _compare_keys(targets, metadata, ctx.directory)
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before DCP's collectives
-        _comm.agree(lambda: _check_shapes(targets, metadata, meta, ctx), "checking tensor shapes")
+        comm.agree(lambda: _check_shapes(targets, metadata, meta, ctx), "checking tensor shapes")
         present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
         with _dcp_errors(ctx.directory, loading=True), paused_gc():
             dcp.load(
                 {k: s.tensor for k, s in present.items()},
                 storage_reader=reader,
                 planner=ShardLoadPlanner(present, ctx.directory),
-                no_dist=not _comm.initialized(),
+                no_dist=not comm.initialized(),
             )
         rank_local.reinitialise(plan)
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(list(plan.reinit), ctx.directory)
         # a read failing on one rank must stop every rank before the next collective
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
-        common, per_rank = _comm.agree(
+        common, per_rank = comm.agree(
             lambda: (read_torch_file(ctx.storage, common_path), self._per_rank(ctx, meta)),
             "reading common and per-rank state",
         )
@@ -370,7 +371,7 @@ class DistFormat:
         Stored names are translated to current ones first (wrapper prefixes of older
         checkpoints, ``rename``), so placement and messages use the model's names.
         """
-        rank = _comm.rank()
+        rank = comm.rank()
         to_current = naming.stored_to_current(
             metadata.state_dict_metadata, ctx.rename, ctx.directory, canonical=meta.canonical_keys
         )
@@ -392,7 +393,7 @@ class DistFormat:
 
     def _per_rank(self, ctx: FormatContext, meta: CheckpointMetadata) -> dict[str, Any] | None:
         if meta.topology != ctx.topology.describe():
-            if _comm.rank() == 0:
+            if comm.rank() == 0:
                 log.warning(
                     "checkpoint was saved at tp=%(tp)s pp=%(pp)s dp=%(dp)s; per-rank RNG streams and "
                     "TrainState.stateful objects (data loaders, samplers) are not restored at a different layout "
@@ -441,7 +442,7 @@ def _write_item(key: str, shard: Shard) -> WriteItem:
 def _compare_keys(shards: dict[str, Shard], metadata: Metadata, where: str) -> tuple[list[str], list[str]]:
     """Keys missing from the checkpoint (any rank) and saved keys no rank asked for."""
     local = set(shards)
-    wanted = set().union(*_comm.all_gather(sorted(local)))
+    wanted = set().union(*comm.all_gather(sorted(local)))
     saved = set(metadata.state_dict_metadata)
     return sorted(wanted - saved), unexpected_keys(saved, wanted)
 

@@ -24,14 +24,15 @@ from typing import Any
 
 import torch
 
-from shardpoint import _comm, naming, rank_local
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
-from shardpoint.metadata import CheckpointMetadata, FileRecord
-from shardpoint.sharding import Shard, copy_overlap
-from shardpoint.state import OPTIM_PREFIX, FlatState
-from shardpoint.storage import Storage
-from shardpoint.topology import Topology, mp_rank_name
+from shardpoint.parallel import comm
+from shardpoint.parallel.topology import Topology, mp_rank_name
+from shardpoint.state import naming, rank_local
+from shardpoint.state.sharding import Shard, copy_overlap
+from shardpoint.state.train_state import OPTIM_PREFIX, FlatState
+from shardpoint.storage.base import Storage
 
 __all__ = ["TorchFormat"]
 
@@ -99,7 +100,7 @@ class TorchFormat:
         if topo.dp_size == 1:
             return [obj]
         dp_root = topo.rank_of(tp=topo.tp_rank, pp=topo.pp_rank, dp=0)
-        return _comm.gather_to(obj, dp_root, topo.dp_group())
+        return comm.gather_to(obj, dp_root, topo.dp_group())
 
     def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
         folder = mp_rank_name(ctx.topology.tp_rank, ctx.topology.pp_rank, meta.topology["pp"])
@@ -113,7 +114,7 @@ class TorchFormat:
         storage = ctx.storage
         folder = storage.join(ctx.directory, ctx.topology.mp_rank_name)
         main_path = storage.join(folder, MAIN_FILE)
-        payload = _comm.agree(lambda: _read(storage, main_path), "reading the torch-format checkpoint")
+        payload = comm.agree(lambda: _read(storage, main_path), "reading the torch-format checkpoint")
         distrib_path = storage.join(folder, DISTRIB_OPTIM_FILE)
         stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
 
@@ -134,12 +135,12 @@ class TorchFormat:
             rank_local.reinitialise(plan)
             return missing, pieces, list(plan.reinit)
 
-        missing, pieces, reinit = _comm.agree(fill, "loading the torch-format tensors")
+        missing, pieces, reinit = comm.agree(fill, "loading the torch-format tensors")
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(reinit, ctx.directory)
-        missing = sorted(set().union(*_comm.all_gather(missing)))
-        wanted = set().union(*_comm.all_gather(sorted(set(flat.tensors) | set(flat.rank_local))))
-        saved_keys = set().union(*_comm.all_gather(sorted(set(stored) | set(pieces or {}))))
+        missing = sorted(set().union(*comm.all_gather(missing)))
+        wanted = set().union(*comm.all_gather(sorted(set(flat.tensors) | set(flat.rank_local))))
+        saved_keys = set().union(*comm.all_gather(sorted(set(stored) | set(pieces or {}))))
         per_rank = _per_rank(payload.get("rng_state"), payload.get("stateful"), meta, ctx)
         return Loaded(payload["common"], per_rank, missing, unexpected_keys(saved_keys, wanted))
 
@@ -153,7 +154,7 @@ def _split_over_dp(topo: Topology, flat: FlatState, distributed_optimizer: bool)
     split = {k for k in flat.tensors if distributed_optimizer and k.startswith(OPTIM_PREFIX)}
     if topo.dp_size == 1:
         return split
-    boxes = _comm.all_gather({k: s.global_offset for k, s in flat.tensors.items()}, topo.dp_group())
+    boxes = comm.all_gather({k: s.global_offset for k, s in flat.tensors.items()}, topo.dp_group())
     keys = set().union(*boxes)
     return split | {k for k in keys if len({b.get(k) for b in boxes}) > 1}
 

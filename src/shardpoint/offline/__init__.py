@@ -30,7 +30,7 @@ tied embedding); when the source cannot say (``dist``, or pp=1) the rule is: a k
 whose name contains ``embed`` goes to the first stage, any other to the last.
 
 Sources and destinations may be local paths or ``s3://bucket/prefix`` (through
-:func:`shardpoint.storage.open_storage`; endpoint and credentials from the standard
+:func:`shardpoint.storage.base.open_storage`; endpoint and credentials from the standard
 AWS environment). Objects are read whole into memory, where local files are
 memory-mapped; a destination on object storage is committed by its marker, then
 the tracker, and has no writer lock (:func:`writer_lock`).
@@ -66,8 +66,8 @@ from shardpoint.offline._read import (
     read_full,
 )
 from shardpoint.offline._write import write_checkpoint, writer_lock
-from shardpoint.state import MODEL_PREFIX
-from shardpoint.storage import open_storage
+from shardpoint.state.train_state import MODEL_PREFIX
+from shardpoint.storage.base import open_storage
 
 __all__ = [
     "FullCheckpoint",

@@ -7,7 +7,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator
 
-from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX
+from shardpoint.state.train_state import MODEL_PREFIX, OPTIM_PREFIX
 
 __all__ = [
     "MP_DIR",

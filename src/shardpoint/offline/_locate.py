@@ -1,7 +1,7 @@
 """Which checkpoint a path means: a checkpoint directory, or a save directory and its tracker.
 
 Paths may be local or ``s3://bucket/prefix``: every question goes through the
-:class:`~shardpoint.storage.Storage` that :func:`~shardpoint.storage.open_storage`
+:class:`~shardpoint.storage.base.Storage` that :func:`~shardpoint.storage.base.open_storage`
 picks. Each function takes that storage as an optional argument, so a caller that
 asks several questions about one object store opens one client, not one per call.
 """
@@ -12,13 +12,13 @@ import os
 import posixpath
 import warnings
 
-from shardpoint import commit
+from shardpoint.catalog.layout import LAYOUTS, RELEASE, Layout
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.formats.dist import COMMON_FILE
-from shardpoint.layout import LAYOUTS, RELEASE, Layout
-from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
+from shardpoint.lifecycle import commit
 from shardpoint.offline._common import MP_DIR
-from shardpoint.storage import Storage, open_storage
+from shardpoint.storage.base import Storage, open_storage
 
 __all__ = ["find_layout", "is_checkpoint_dir", "local_path", "looks_like_checkpoint", "resolve"]
 
@@ -79,7 +79,7 @@ def local_path(path: str | os.PathLike[str]) -> str:
     """
     warnings.warn(
         "shardpoint.offline.local_path is deprecated (s3:// paths work now); use "
-        "shardpoint.storage.open_storage(path).root",
+        "shardpoint.storage.base.open_storage(path).root",
         DeprecationWarning,
         stacklevel=2,
     )

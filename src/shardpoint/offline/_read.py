@@ -13,13 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardpoint import naming, rank_local
+from shardpoint.catalog.integrity import verify_files
+from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.formats.base import read_torch_file
 from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_reader
 from shardpoint.formats.torch_format import DISTRIB_OPTIM_FILE, MAIN_FILE
-from shardpoint.integrity import verify_files
-from shardpoint.metadata import CheckpointMetadata
 from shardpoint.offline._common import (
     Box,
     ProgressFn,
@@ -31,9 +30,10 @@ from shardpoint.offline._common import (
     stage_from_source,
 )
 from shardpoint.offline._locate import resolve
-from shardpoint.sharding import Shard
-from shardpoint.state import OPTIM_PREFIX
-from shardpoint.storage import Storage, open_storage
+from shardpoint.state import naming, rank_local
+from shardpoint.state.sharding import Shard
+from shardpoint.state.train_state import OPTIM_PREFIX
+from shardpoint.storage.base import Storage, open_storage
 
 __all__ = ["FullCheckpoint", "TensorInfo", "check_files", "describe_tensors", "infer_split_dims", "read_full"]
 

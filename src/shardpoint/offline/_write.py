@@ -1,7 +1,7 @@
 """Writing full tensors as a committed checkpoint in one process (see the package docstring).
 
 The destination may be local or ``s3://bucket/prefix``; the commit protocol is the
-training job's (:mod:`shardpoint.commit`): locally a temporary directory renamed into
+training job's (:mod:`shardpoint.lifecycle.commit`): locally a temporary directory renamed into
 place, on object storage data written in place under the final prefix and committed
 by the marker, then the tracker. Local writes take the directory's writer lock;
 object storage has none (see :func:`writer_lock`).
@@ -24,20 +24,20 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from shardpoint import commit
 from shardpoint._version import __version__
+from shardpoint.catalog.layout import Layout, get_layout
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError
 from shardpoint.formats import FormatContext, get_format
 from shardpoint.formats.base import write_torch_file
 from shardpoint.formats.dist import COMMON_FILE, dcp_writer
-from shardpoint.layout import Layout, get_layout
-from shardpoint.lock import DirectoryLock
-from shardpoint.metadata import CheckpointMetadata, FileRecord
+from shardpoint.lifecycle import commit
 from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, single_process, stage_by_name
-from shardpoint.sharding import Shard, divide
-from shardpoint.state import MODEL_PREFIX, OPTIM_PREFIX, FlatState
-from shardpoint.storage import Storage, open_storage
-from shardpoint.topology import Topology
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.sharding import Shard, divide
+from shardpoint.state.train_state import MODEL_PREFIX, OPTIM_PREFIX, FlatState
+from shardpoint.storage.base import Storage, open_storage
+from shardpoint.storage.lock import DirectoryLock
 
 __all__ = ["write_checkpoint", "writer_lock"]
 
@@ -122,10 +122,10 @@ def write_checkpoint(
 
 @contextlib.contextmanager
 def writer_lock(storage: Storage) -> Iterator[None]:
-    """Hold the save directory's writer lock (:mod:`shardpoint.lock`) while the block runs.
+    """Hold the save directory's writer lock (:mod:`shardpoint.storage.lock`) while the block runs.
 
     Local directories: a job saving there, or another offline writer, makes this
-    raise :class:`~shardpoint.lock.LockedError`. Object storage has no such lock
+    raise :class:`~shardpoint.storage.lock.LockedError`. Object storage has no such lock
     (``flock`` needs a local file); the block runs unguarded and a log line says so.
     """
     if not storage.is_local:

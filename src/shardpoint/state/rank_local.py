@@ -4,7 +4,7 @@ Some tensors have no place in a global tensor: Adafactor's factored statistics o
 a tensor-parallel piece (``row_var`` of shape ``(rows / tp, 1)``) describe that piece
 only, and an optimizer scalar may differ by rank. Storing them under one global key
 would keep one rank's value and hand it to every rank. They are kept per rank
-instead (:attr:`~shardpoint.state.FlatState.rank_local`):
+instead (:attr:`~shardpoint.state.train_state.FlatState.rank_local`):
 
 - ``dist`` format: DCP key ``rank_local.<rank, 5 digits>.<key>``, a whole tensor;
 - ``torch`` format: a ``rank_local`` list with one dict per data-parallel rank.
@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardpoint import _comm
 from shardpoint.errors import TopologyMismatchError
-from shardpoint.sharding import Shard
-from shardpoint.state import FlatState
+from shardpoint.parallel import comm
+from shardpoint.state.naming import RANK_LOCAL_PREFIX as PREFIX
+from shardpoint.state.naming import split_key, stored_key
+from shardpoint.state.sharding import Shard
+from shardpoint.state.train_state import FlatState
 
 __all__ = [
     "PREFIX",
@@ -42,21 +44,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PREFIX = "rank_local."
 RESHARD_POLICIES = ("error", "reinit")
-
-
-def stored_key(key: str, rank: int) -> str:
-    """The ``dist`` format's key for ``key`` as held by ``rank``."""
-    return f"{PREFIX}{rank:05d}.{key}"
-
-
-def split_key(stored: str) -> tuple[int, str] | None:
-    """``(rank, key)`` of a stored rank-local key, or None for any other key."""
-    if not stored.startswith(PREFIX):
-        return None
-    rank, _, key = stored[len(PREFIX) :].partition(".")
-    return (int(rank), key) if rank.isdigit() and key else None
 
 
 def whole(tensor: torch.Tensor) -> Shard:
@@ -133,8 +121,8 @@ def reinitialise(plan: RankLocalPlan) -> None:
 
 def warn_reinit(keys: list[str], where: str) -> None:
     """Collective: rank 0 warns once about every rank's re-initialised states."""
-    every = sorted(set().union(*_comm.all_gather(keys)))
-    if every and _comm.rank() == 0:
+    every = sorted(set().union(*comm.all_gather(keys)))
+    if every and comm.rank() == 0:
         log.warning(
             "%s was saved at another layout: %d per-rank optimizer state tensor(s) re-initialised to zeros "
             "(optimizer_reshard='reinit'): %s",

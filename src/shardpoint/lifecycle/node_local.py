@@ -22,7 +22,7 @@ no NFS negative lookup cache can hide them. ``node_local=True/False`` skips it.
     -> file records are gathered through collectives (nobody reads another node's disk)
     -> each leader writes shardpoint-node.json (its node's files, the full marker
        embedded) and renames its directory into place
-    -> every rank uploads the files it wrote (:mod:`shardpoint.upload`)
+    -> every rank uploads the files it wrote (:mod:`shardpoint.lifecycle.upload`)
     -> once every rank's upload is done, rank 0 uploads shardpoint.json, then the tracker.
 
 The local directories hold **no** ``shardpoint.json`` and no tracker: a node's copy
@@ -31,7 +31,7 @@ complete checkpoint. The object store's tracker is the only one that names what 
 load; on a load every file a rank reads comes from its node's copy when that copy is
 committed, belongs to the checkpoint the remote tracker names (same size and
 checksum as in the remote marker) and is intact, and from the object store otherwise
-(:mod:`shardpoint.node_view`).
+(:mod:`shardpoint.lifecycle.node_view`).
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardpoint import _comm, commit
+from shardpoint.catalog.layout import Layout
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
-from shardpoint.layout import Layout
-from shardpoint.metadata import CheckpointMetadata, FileRecord
-from shardpoint.policy import CheckpointInfo, PreservationPolicy, select_for_deletion
-from shardpoint.storage import Storage
+from shardpoint.lifecycle import commit
+from shardpoint.lifecycle.policy import CheckpointInfo, PreservationPolicy, select_for_deletion
+from shardpoint.parallel import comm
+from shardpoint.storage.base import Storage
 
 __all__ = [
     "NODE_MARKER",
@@ -135,15 +136,15 @@ def probe_domains(storage: Storage, root: str) -> list[tuple[int, ...]]:
     Every rank writes ``<root>/.shardpoint-probe-<token>-<rank>``, then checks which of
     the world's probe files exist, then removes its own.
     """
-    rank, world = _comm.rank(), _comm.world_size()
-    token = _comm.broadcast(secrets.token_hex(6) if rank == 0 else None)
+    rank, world = comm.rank(), comm.world_size()
+    token = comm.broadcast(secrets.token_hex(6) if rank == 0 else None)
 
     def probe(r: int) -> str:
         return storage.join(root, f"{PROBE_PREFIX}{token}-{r}")
 
-    _comm.agree(lambda: (storage.makedirs(root), storage.write_atomic(probe(rank), b"")), "probing the local dir")
+    comm.agree(lambda: (storage.makedirs(root), storage.write_atomic(probe(rank), b"")), "probing the local dir")
     seen = tuple(r for r in range(world) if storage.exists(probe(r)))
-    domains = [tuple(d) for d in _comm.all_gather(seen)]
+    domains = [tuple(d) for d in comm.all_gather(seen)]
     storage.remove(probe(rank))
     return domains
 
@@ -162,11 +163,11 @@ def detect(storage: Storage, root: str, layout: Layout, node_local: bool | None,
     """
     if node_local and not has_remote:
         raise ValueError("node_local=True needs upload_to='s3://...': no node would hold a whole checkpoint")
-    if node_local is False or not has_remote or _comm.world_size() == 1 or not storage.is_local:
+    if node_local is False or not has_remote or comm.world_size() == 1 or not storage.is_local:
         return None
     domains = probe_domains(storage, root)
     _check_partition(domains, root)
-    if all(len(d) == _comm.world_size() for d in domains) and not node_local:
+    if all(len(d) == comm.world_size() for d in domains) and not node_local:
         return None
     if node_local is None:
         log.info("%s is not shared by all ranks (%d nodes): node-local commits", root, len(set(domains)))
@@ -196,7 +197,7 @@ class NodeLocal:
         self.storage = storage
         self.root = root
         self.layout = layout
-        self.rank = _comm.rank()
+        self.rank = comm.rank()
         self.world_size = len(domains)
         self.ranks: tuple[int, ...] = tuple(domains[self.rank])
         self.leader = self.ranks[0]
@@ -208,8 +209,8 @@ class NodeLocal:
 
     def begin(self, create: Callable[[], str], group: Any = None) -> str:
         """Collective over ``group``: each leader runs ``create`` in its own directory; returns this node's path."""
-        paths = _comm.all_gather(
-            _comm.agree(lambda: create() if self.is_leader else None, "preparing the node-local directory", group),
+        paths = comm.all_gather(
+            comm.agree(lambda: create() if self.is_leader else None, "preparing the node-local directory", group),
             group,
         )
         return paths[self.leader]
@@ -227,8 +228,8 @@ class NodeLocal:
         ``meta`` is complete on rank 0 only (it gathered the records); it is broadcast so
         every node marker embeds the marker that will be uploaded.
         """
-        full = CheckpointMetadata.from_json(_comm.broadcast(meta.to_json() if self.rank == 0 else None), final)
-        written = _comm.all_gather(sorted(records))
+        full = CheckpointMetadata.from_json(comm.broadcast(meta.to_json() if self.rank == 0 else None), final)
+        written = comm.all_gather(sorted(records))
         mine = {name for r in self.ranks for name in written[r]}
         marker = NodeMarker(self.ranks, self.world_size, {n: full.files[n] for n in mine if n in full.files}, full)
 
@@ -236,7 +237,7 @@ class NodeLocal:
             self.storage.write_atomic(self.storage.join(tmp, NODE_MARKER), marker.to_json().encode())
             self.storage.publish_dir(tmp, final)
 
-        _comm.agree(lambda: publish() if self.is_leader else None, "committing the node-local copies")
+        comm.agree(lambda: publish() if self.is_leader else None, "committing the node-local copies")
         if self.is_leader:
             self.apply_retention(policies)
 

@@ -1,7 +1,7 @@
 """Local-first mode: save to local disk as usual, then copy to object storage in the background.
 
 This is GPT-NeoX's S3 upload made safe. Each rank uploads the files it wrote (so
-node-local disks work, see :mod:`shardpoint.node_local`), in a background thread,
+node-local disks work, see :mod:`shardpoint.lifecycle.node_local`), in a background thread,
 never blocking training. The remote tracker moves only when every rank's upload is
 complete: at the next ``maybe_save``/``save``/``close`` the ranks agree that all
 uploads are done, then rank 0 uploads ``shardpoint.json`` (the marker it built from
@@ -17,14 +17,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardpoint import _comm, commit, faults
-from shardpoint.async_save import BackgroundWrite
+from shardpoint.catalog.layout import Layout
+from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.errors import StorageError
-from shardpoint.layout import Layout
-from shardpoint.metadata import MARKER_NAME
-from shardpoint.policy import PreservationPolicy
-from shardpoint.retention import apply_retention
-from shardpoint.storage import LocalStorage, Storage, open_storage
+from shardpoint.lifecycle import commit, faults
+from shardpoint.lifecycle.async_save import BackgroundWrite
+from shardpoint.lifecycle.policy import PreservationPolicy
+from shardpoint.lifecycle.retention import apply_retention
+from shardpoint.parallel import comm
+from shardpoint.storage.base import LocalStorage, Storage, open_storage
 
 __all__ = ["RemoteMirror"]
 
@@ -62,7 +63,7 @@ class RemoteMirror:
         self.local = LocalStorage("/")
         self.last_upload_seconds = 0.0
         self._pending: _Upload | None = None
-        if _comm.rank() == 0:
+        if comm.rank() == 0:
             commit.clean_leftovers(self.storage, self.root)
 
     @property
@@ -88,7 +89,7 @@ class RemoteMirror:
         upload.writer = BackgroundWrite(lambda: self._copy_files(upload)).start()
 
     def _copy_files(self, upload: _Upload) -> int:
-        if upload.attempts == 1 and _comm.rank() == 0:
+        if upload.attempts == 1 and comm.rank() == 0:
             # a remote checkpoint of the same name (a rollback, a re-saved release) stops being
             # committed before its objects are overwritten; the new marker comes last
             self.storage.remove(self.storage.join(self.root, upload.name, MARKER_NAME))
@@ -97,7 +98,7 @@ class RemoteMirror:
         # upload that dies is removed by clean_leftovers (and nothing another tool wrote ever is)
         note = self.storage.join(self.root, upload.name, commit.IN_PROGRESS_NAME)
         self.storage.write_atomic(note, f"upload of {upload.name}".encode())
-        faults.hit("during-upload", _comm.rank())
+        faults.hit("during-upload", comm.rank())
         for name in upload.files:
             source = self.local.join(upload.local_dir, name)
             target = self.storage.join(self.root, upload.name, name)
@@ -117,14 +118,14 @@ class RemoteMirror:
             return True
         if blocking:
             upload.writer.wait()
-        elif not all(_comm.all_gather(upload.writer.done())):
+        elif not all(comm.all_gather(upload.writer.done())):
             return False
         upload.writer.wait()
-        errors = [e for e in _comm.all_gather(_describe(upload.writer.error)) if e]
+        errors = [e for e in comm.all_gather(_describe(upload.writer.error)) if e]
         if errors:
             return self._retry(upload, errors, blocking)
         self.last_upload_seconds = upload.writer.seconds
-        outcome = _comm.agree(lambda: self._commit(upload) if _comm.rank() == 0 else None, "committing the upload")
+        outcome = comm.agree(lambda: self._commit(upload) if comm.rank() == 0 else None, "committing the upload")
         self._pending = None
         return outcome is None
 

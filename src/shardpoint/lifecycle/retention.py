@@ -17,11 +17,11 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from shardpoint import commit, faults
+from shardpoint.catalog.layout import Layout
 from shardpoint.errors import CheckpointError
-from shardpoint.layout import Layout
-from shardpoint.policy import CheckpointInfo, PreservationPolicy, select_for_deletion
-from shardpoint.storage import Storage
+from shardpoint.lifecycle import commit, faults
+from shardpoint.lifecycle.policy import CheckpointInfo, PreservationPolicy, select_for_deletion
+from shardpoint.storage.base import Storage
 
 __all__ = ["BackgroundRetention", "apply_retention"]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shardpoint.state import FlatState
+from shardpoint.state.train_state import FlatState
 
 __all__ = ["BackgroundWrite", "SnapshotBuffers"]
 

@@ -30,11 +30,11 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from shardpoint import faults
+from shardpoint.catalog.layout import LAYOUTS, RELEASE, Layout
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
-from shardpoint.layout import LAYOUTS, RELEASE, Layout
-from shardpoint.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.storage import Storage
+from shardpoint.lifecycle import faults
+from shardpoint.storage.base import Storage
 
 __all__ = [
     "CheckpointEntry",

@@ -10,7 +10,7 @@ picks the local directory when it holds the newer committed checkpoint (a restar
 the same nodes) and the object store otherwise (a replaced node has nothing
 locally). With node-local directories the object store's tracker alone decides, since
 no node holds a whole checkpoint, and each file is read from the node's copy where
-it can be (:mod:`shardpoint.node_view`).
+it can be (:mod:`shardpoint.lifecycle.node_view`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from shardpoint import _comm, commit
+from shardpoint.catalog.integrity import verify_files
+from shardpoint.catalog.layout import Layout
+from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
-from shardpoint.integrity import verify_files
-from shardpoint.layout import Layout
-from shardpoint.metadata import CheckpointMetadata
-from shardpoint.node_local import NodeLocal, PartialCheckpointError, partial_error
-from shardpoint.node_view import NodeView, open_view
-from shardpoint.storage import Storage
+from shardpoint.lifecycle import commit
+from shardpoint.lifecycle.node_local import NodeLocal, PartialCheckpointError, partial_error
+from shardpoint.lifecycle.node_view import NodeView, open_view
+from shardpoint.parallel import comm
+from shardpoint.storage.base import Storage
 
 __all__ = ["LoadSources", "find_checkpoint", "verify_share"]
 
@@ -106,7 +107,7 @@ def verify_share(
     missing_record = [n for n in names if n not in meta.files]
     if missing_record:
         raise CorruptCheckpointError(f"{path}: {missing_record[0]} is not listed in shardpoint.json")
-    share = names[_comm.rank() :: _comm.world_size()] if len(names) >= _comm.world_size() else names
+    share = names[comm.rank() :: comm.world_size()] if len(names) >= comm.world_size() else names
     problems = verify_files(storage, path, meta, share, checksums=checksums, sizes_only=sizes_only)
     if problems:
         raise CorruptCheckpointError(
@@ -120,9 +121,9 @@ def verify_unread(storage: Storage, path: str, meta: CheckpointMetadata, streame
     """Check the files meant to be checked while reading that no rank read (nothing in them was loaded)."""
     if not streamed:
         return
-    unread = sorted(streamed - set().union(*_comm.all_gather(sorted(checked))))
+    unread = sorted(streamed - set().union(*comm.all_gather(sorted(checked))))
     if unread:
-        _comm.agree(lambda: verify_share(storage, path, meta, unread, True), "verifying checkpoint files")
+        comm.agree(lambda: verify_share(storage, path, meta, unread, True), "verifying checkpoint files")
 
 
 @dataclass
@@ -168,7 +169,7 @@ class LoadSources:
     def reader(self, where: str, path: str, meta: CheckpointMetadata, verify: bool) -> tuple[Storage, str]:
         """Collective: the storage and directory to read the checkpoint ``find`` chose through.
 
-        In node-local mode a :class:`~shardpoint.node_view.NodeView`, which serves the
+        In node-local mode a :class:`~shardpoint.lifecycle.node_view.NodeView`, which serves the
         files this node kept from its disk and the rest from the object store.
         """
         if where == LOCAL:

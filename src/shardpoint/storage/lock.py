@@ -21,7 +21,7 @@ import time
 from typing import IO
 
 from shardpoint.errors import CheckpointError, StorageError
-from shardpoint.storage import describe_os_error
+from shardpoint.storage.base import describe_os_error
 
 __all__ = ["DirectoryLock", "LockedError"]
 

@@ -1,7 +1,7 @@
 """What a checkpoint holds, and how it is taken from and put back into training objects.
 
 :class:`TrainState` is what the user hands over. :func:`collect` turns it into a
-:class:`FlatState`: every tensor under a global key as a :class:`~shardpoint.sharding.Shard`
+:class:`FlatState`: every tensor under a global key as a :class:`~shardpoint.state.sharding.Shard`
 (``model.<key>``, ``optimizer.state.<param key>.<name>``), the state common to all
 ranks, and the state of this rank alone (RNG streams). Formats only ever see a
 ``FlatState``; :func:`restore` puts loaded common state back.
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from shardpoint import naming, rng
-from shardpoint.sharding import Shard, flatten_shards, is_dtensor, to_shard
+from shardpoint.state import naming, rng
+from shardpoint.state.sharding import Shard, flatten_shards, is_dtensor, to_shard
 
 __all__ = ["FlatState", "ParamIndex", "TrainState", "add_optimizer_state", "collect", "param_shard_index", "restore"]
 
@@ -69,7 +69,7 @@ class FlatState:
 
     Attributes:
         tensors: global-key shards; a box held by several ranks is a replica and is
-            stored once (see :mod:`shardpoint.replicas` for the check that they agree).
+            stored once (see :mod:`shardpoint.state.replicas` for the check that they agree).
         common: small state every rank shares (iteration, hyperparameters, scheduler).
         per_rank: small state of this rank alone (RNG streams).
         rank_local: tensors that belong to this rank only and have no place in a global
@@ -153,9 +153,9 @@ def _restore_stateful(objects: Mapping[str, Any], saved: Mapping[str, Any]) -> N
 
 
 def model_shards(model: torch.nn.Module, rank_local: dict[str, torch.Tensor] | None = None) -> dict[str, Shard]:
-    """The model's tensors under ``model.<canonical key>`` (see :mod:`shardpoint.naming`).
+    """The model's tensors under ``model.<canonical key>`` (see :mod:`shardpoint.state.naming`).
 
-    :class:`~shardpoint.sharding.RankLocal` values go to ``rank_local``.
+    :class:`~shardpoint.state.sharding.RankLocal` values go to ``rank_local``.
     """
     return flatten_shards(naming.model_state(model), MODEL_PREFIX, rank_local)
 
@@ -173,7 +173,7 @@ def add_optimizer_state(flat: FlatState, optimizer: Any, model: torch.nn.Module 
       this rank's piece only: it is rank-local and never merged with another rank's.
 
     A distributed optimizer that defines ``sharded_state_dict(model_shards)`` places
-    its state itself, with :class:`~shardpoint.sharding.Shard`.
+    its state itself, with :class:`~shardpoint.state.sharding.Shard`.
     """
     if hasattr(optimizer, "sharded_state_dict"):
         flat.tensors.update(flatten_shards(optimizer.sharded_state_dict(flat.tensors), OPTIM_PREFIX))

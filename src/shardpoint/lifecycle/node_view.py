@@ -1,6 +1,6 @@
 """Loading a checkpoint from the object store, reading what this node kept locally from its own disk.
 
-In node-local mode (:mod:`shardpoint.node_local`) each node keeps the files its ranks
+In node-local mode (:mod:`shardpoint.lifecycle.node_local`) each node keeps the files its ranks
 wrote. Which files a rank reads on a load is the format's business (a ``dist`` load
 reads ``.metadata``, ``common.pt``, its RNG file and whichever shard files hold the
 boxes it needs, wherever DCP's deduplication put them), so the choice is made per
@@ -30,12 +30,12 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec import AbstractFileSystem
 
-from shardpoint import _comm
+from shardpoint.catalog.integrity import checksum_file
+from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import StorageError
-from shardpoint.integrity import checksum_file
-from shardpoint.metadata import CheckpointMetadata
-from shardpoint.node_local import NodeLocal, read_node_marker
-from shardpoint.storage import Storage
+from shardpoint.lifecycle.node_local import NodeLocal, read_node_marker
+from shardpoint.parallel import comm
+from shardpoint.storage.base import Storage
 
 __all__ = ["PROTOCOL", "NodeView", "open_view"]
 
@@ -141,7 +141,7 @@ def open_view(node: NodeLocal, remote: Storage, remote_dir: str, meta: Checkpoin
     candidates = sorted(_candidates(node, local_dir, meta))
     share = candidates[node.ranks.index(node.rank) :: len(node.ranks)] if verify else []
     bad = [n for n in share if checksum_file(node.storage, node.storage.join(local_dir, n)) != meta.files[n].xxh3_64]
-    rejected = {n for part in _comm.all_gather((node.leader, bad)) if part[0] == node.leader for n in part[1]}
+    rejected = {n for part in comm.all_gather((node.leader, bad)) if part[0] == node.leader for n in part[1]}
     for n in sorted(rejected):
         log.warning("local copy of %s/%s fails its checksum; reading it from %s", local_dir, n, remote_dir)
     view = NodeView(node.storage, local_dir, remote, remote_dir, frozenset(set(candidates) - rejected))

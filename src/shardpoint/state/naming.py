@@ -24,9 +24,19 @@ from typing import Any
 
 import torch
 
-from shardpoint import _comm
+from shardpoint.parallel import comm
 
-__all__ = ["Rename", "model_state", "parameter_names", "stored_to_current", "translate", "unwrap"]
+__all__ = [
+    "RANK_LOCAL_PREFIX",
+    "Rename",
+    "model_state",
+    "parameter_names",
+    "split_key",
+    "stored_key",
+    "stored_to_current",
+    "translate",
+    "unwrap",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +45,23 @@ Rename = Mapping[str, str] | Callable[[str], str] | None
 # what wrappers insert into keys; stripped only from checkpoints that hold them
 _WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 _DDP_ROOT = "module."
+
+
+# rank-local keys (:mod:`shardpoint.state.rank_local`): ``rank_local.<rank, 5 digits>.<key>``
+RANK_LOCAL_PREFIX = "rank_local."
+
+
+def stored_key(key: str, rank: int) -> str:
+    """The ``dist`` format's key for ``key`` as held by ``rank``."""
+    return f"{RANK_LOCAL_PREFIX}{rank:05d}.{key}"
+
+
+def split_key(stored: str) -> tuple[int, str] | None:
+    """``(rank, key)`` of a stored rank-local key, or None for any other key."""
+    if not stored.startswith(RANK_LOCAL_PREFIX):
+        return None
+    rank, _, key = stored[len(RANK_LOCAL_PREFIX) :].partition(".")
+    return (int(rank), key) if rank.isdigit() and key else None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -86,7 +113,6 @@ def stored_to_current(
     ``module.`` is a real submodule's name. The mapping depends on the stored keys
     only, so every rank computes the same one.
     """
-    from shardpoint import rank_local
 
     saved = list(saved)
     model_names = [_model_name(k) for k in saved]
@@ -99,15 +125,15 @@ def stored_to_current(
     mapping: dict[str, str] = {}
     legacy = 0
     for key in saved:
-        split = rank_local.split_key(key)
+        split = split_key(key)
         inner = split[1] if split else key
         renamed = inner if canonical else _map_name(inner, lambda name: _canonical(name, strip_ddp))
         if renamed != inner:
             legacy += 1
         renamed = _map_name(renamed, rename_fn)
         if renamed != inner:
-            mapping[key] = rank_local.stored_key(renamed, split[0]) if split else renamed
-    if legacy and _comm.rank() == 0:
+            mapping[key] = stored_key(renamed, split[0]) if split else renamed
+    if legacy and comm.rank() == 0:
         log.info(
             "%s: %d key(s) carry wrapper prefixes (module., _orig_mod., ...) from before keys were canonical; "
             "mapped onto the model's own names",

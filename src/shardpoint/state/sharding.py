@@ -28,7 +28,7 @@ import torch
 from shardpoint.errors import TopologyMismatchError
 
 if TYPE_CHECKING:
-    from shardpoint.topology import Topology
+    from shardpoint.parallel.topology import Topology
 
 __all__ = [
     "RankLocal",

@@ -1,6 +1,6 @@
 """How one save travels from collected state to a committed checkpoint (the mechanism behind ``save``).
 
-Every rank runs the same sequence (see :mod:`shardpoint.commit` for why it is safe)::
+Every rank runs the same sequence (see :mod:`shardpoint.lifecycle.commit` for why it is safe)::
 
     compare replicas -> rank 0 creates a temporary directory -> every rank writes and
     checksums its files -> ranks agree on the outcome -> rank 0 writes shardpoint.json,
@@ -12,7 +12,7 @@ snapshots the state into reused host buffers, runs the writes on a background th
 every rank reports its writes done. Deleting old checkpoints never happens inside
 ``save``: it runs on a worker after the commit, and the next commit waits for it.
 
-Each step that can fail locally runs under :func:`shardpoint._comm.agree`, so a
+Each step that can fail locally runs under :func:`shardpoint.parallel.comm.agree`, so a
 failure on one rank is raised on all ranks instead of leaving the others waiting in
 a collective. Policy (when to save, what to keep) stays with the Checkpointer.
 """
@@ -28,21 +28,22 @@ from typing import Any
 
 import torch
 
-from shardpoint import _comm, commit, faults
 from shardpoint._version import __version__
-from shardpoint.async_save import BackgroundWrite, SnapshotBuffers
+from shardpoint.catalog.layout import Layout
+from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import StorageError
 from shardpoint.formats import FormatContext
 from shardpoint.formats.base import CheckpointFormat, write_torch_file
-from shardpoint.layout import Layout
-from shardpoint.lock import DirectoryLock
-from shardpoint.metadata import CheckpointMetadata
-from shardpoint.policy import PreservationPolicy
-from shardpoint.replicas import check_replicas
-from shardpoint.retention import BackgroundRetention
-from shardpoint.state import FlatState
-from shardpoint.storage import Storage, as_storage_error
-from shardpoint.topology import Topology
+from shardpoint.lifecycle import commit, faults
+from shardpoint.lifecycle.async_save import BackgroundWrite, SnapshotBuffers
+from shardpoint.lifecycle.policy import PreservationPolicy
+from shardpoint.lifecycle.retention import BackgroundRetention
+from shardpoint.parallel import comm
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.replicas import check_replicas
+from shardpoint.state.train_state import FlatState
+from shardpoint.storage.base import Storage, as_storage_error
+from shardpoint.storage.lock import DirectoryLock
 
 __all__ = ["VALIDATION_FILE", "SavePipeline", "SaveTimes"]
 
@@ -116,10 +117,10 @@ class SavePipeline:
         self.node, self.mirror = node, mirror
         self.times = SaveTimes()
         self.buffers = SnapshotBuffers()
-        self._async_group = _comm.new_group() if async_save else None
+        self._async_group = comm.new_group() if async_save else None
         self._pending: _PendingSave | None = None
         self._saves_started = 0
-        self.owns_dir = node.is_leader if node else _comm.rank() == 0  # creates, commits, cleans
+        self.owns_dir = node.is_leader if node else comm.rank() == 0  # creates, commits, cleans
         # object stores have no flock: one writer per prefix is the user's to ensure there
         self._lock = DirectoryLock(root) if storage.is_local else None
         self._cleaned = False
@@ -168,7 +169,7 @@ class SavePipeline:
             return
         if blocking:
             pending.writer.wait()
-        elif not all(_comm.all_gather(pending.writer.done())):
+        elif not all(comm.all_gather(pending.writer.done())):
             return
         pending.writer.wait()
         self._pending = None
@@ -195,11 +196,11 @@ class SavePipeline:
         Runs on the background thread for async saves, with a group of its own, so the
         trainer's collectives never interleave with these.
         """
-        rank = _comm.rank()
+        rank = comm.rank()
         name = self.layout.dir_name(pending.iteration)
         topo = self.topology
         scope = (topo.tp_rank, topo.pp_rank) if self.format.name == "torch" else ()  # per-mp-rank files
-        replicas = _comm.agree(
+        replicas = comm.agree(
             lambda: check_replicas(pending.flat, group, check_declared=pending.check_replicas, scope=scope),
             "comparing replicated tensors",
             group,
@@ -208,8 +209,8 @@ class SavePipeline:
         if self.node is not None:  # each node's leader creates its own
             tmp = self.node.begin(lambda: self._begin(name, pending.needed), group)
         else:
-            tmp = _comm.broadcast(
-                _comm.agree(
+            tmp = comm.broadcast(
+                comm.agree(
                     lambda: self._begin(name, pending.needed) if rank == 0 else None,
                     "preparing the checkpoint directory",
                     group,
@@ -228,7 +229,7 @@ class SavePipeline:
 
     def _finish(self, pending: _PendingSave, records: Any, error: BaseException | None) -> str:
         """Collective: agree on the outcome of the writes, then rank 0 commits and starts retention."""
-        rank = _comm.rank()
+        rank = comm.rank()
         tmp = pending.ctx.directory if pending.ctx is not None else None
 
         def outcome() -> Any:
@@ -237,14 +238,14 @@ class SavePipeline:
             return records
 
         try:
-            records = _comm.agree(outcome, "writing checkpoint data")
-            all_records = _comm.gather_to(records, 0)
+            records = comm.agree(outcome, "writing checkpoint data")
+            all_records = comm.gather_to(records, 0)
             seconds = time.perf_counter() - pending.start
             meta = self._metadata(pending.iteration, all_records, pending.metrics, pending.extra, seconds)
             if self.node is not None:  # node parts, no local tracker; the remote commit follows the upload
                 self.node.commit(tmp, pending.final, records, meta, self.preservation)
             else:
-                _comm.agree(
+                comm.agree(
                     lambda: self._commit(tmp, pending.final, meta, pending.update_tracker) if rank == 0 else None,
                     "committing the checkpoint",
                 )
@@ -291,7 +292,7 @@ class SavePipeline:
 
     def _write_files(self, pending: _PendingSave) -> dict[str, Any]:
         """This rank's files and their records (runs on the background thread for async saves)."""
-        rank = _comm.rank()
+        rank = comm.rank()
         ctx = pending.ctx
         try:
             faults.hit("before-data", rank)
@@ -349,7 +350,7 @@ class SavePipeline:
         times.last_save_seconds = time.perf_counter() - start
         times.total_save_seconds += times.last_save_seconds
         times.last_save_time = time.time()
-        if _comm.rank() == 0:
+        if comm.rank() == 0:
             gb = meta.total_bytes / 1e9
             log.info(
                 "saved %s (%s format, %.3f GB) in %.2f s, %.2f GB/s",

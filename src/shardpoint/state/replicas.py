@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import xxhash
 
-from shardpoint import _comm
 from shardpoint.errors import ReplicaMismatchError
-from shardpoint.state import FlatState
+from shardpoint.parallel import comm
+from shardpoint.state.train_state import FlatState
 
 __all__ = ["ReplicaReport", "check_replicas", "fingerprint"]
 
@@ -74,7 +74,7 @@ def check_replicas(
     boxes = {key: _box(key, shard, scope) for key, shard in flat.tensors.items()}
     local = [(box, _nbytes(flat.tensors[key].tensor), key in flat.shared_if_equal) for key, box in boxes.items()]
     rank_local_bytes = sum(_nbytes(t) for t in flat.rank_local.values())
-    gathered = _comm.all_gather((local, rank_local_bytes), group)
+    gathered = comm.all_gather((local, rank_local_bytes), group)
     holders: dict[_Box, list[int]] = {}
     sizes: dict[_Box, int] = {}
     always: set[_Box] = set()
@@ -90,7 +90,7 @@ def check_replicas(
     if not checked:
         return report
     mine = {box: fingerprint(flat.tensors[box[0]].tensor) for box in boxes.values() if box in checked}
-    hashes = _comm.all_gather(mine, group)
+    hashes = comm.all_gather(mine, group)
     disagreements = _disagreements(hashes)
     movable = {key for key in disagreements if key in flat.shared_if_equal}
     for key in movable:

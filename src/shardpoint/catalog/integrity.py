@@ -29,8 +29,8 @@ except ImportError:  # torch < 2.6 has no such setting: files keep their CRC32
     _serialization_config = None
 
 
-from shardpoint.metadata import CheckpointMetadata, FileRecord
-from shardpoint.storage import Storage
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
+from shardpoint.storage.base import Storage
 
 __all__ = ["FileProblem", "HashingWriter", "checksum_file", "record_file", "verify_files", "without_zip_crc32"]
 

@@ -1,6 +1,6 @@
 """Where bytes live: the one small interface every storage backend implements.
 
-The commit protocol (:mod:`shardpoint.commit`) and retention only need a handful of
+The commit protocol (:mod:`shardpoint.lifecycle.commit`) and retention only need a handful of
 operations, listed on :class:`Storage`. Local disk implements them with POSIX
 guarantees (``os.replace`` is atomic, ``fsync`` makes it durable); an object store
 implements the same names with put/list/delete, where "publish a directory" is a
@@ -139,7 +139,7 @@ def open_storage(root: str | os.PathLike[str]) -> Storage:
     """The backend for ``root``: ``s3://bucket/prefix`` is object storage, anything else a local path."""
     text = os.fspath(root)
     if text.startswith("s3://"):
-        from shardpoint.s3 import S3Storage
+        from shardpoint.storage.s3 import S3Storage
 
         return S3Storage(text)
     if "://" in text and not text.startswith("file://"):
