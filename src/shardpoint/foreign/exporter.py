@@ -39,10 +39,12 @@ from typing import Any
 
 import torch
 
+from shardpoint import offline
 from shardpoint.errors import CheckpointError, TopologyMismatchError
 from shardpoint.foreign._types import ForeignCheckpoint, namespace_from_json
 from shardpoint.foreign._unpickle import save_foreign
 from shardpoint.foreign.megatron import MODEL_FILE, OPTIM_FILE, buffer_layout
+from shardpoint.foreign.megatron_torch_dist import model_order
 from shardpoint.foreign.structure import (
     VOCAB_KEYS,
     glu_to_tp,
@@ -64,8 +66,6 @@ CHECKPOINT_VERSION = 3.0
 
 def from_shardpoint(path: str, iteration: int | None = None) -> ForeignCheckpoint:
     """A shardpoint checkpoint imported from Megatron-LM, back as a :class:`ForeignCheckpoint`."""
-    from shardpoint import offline
-
     full = offline.read_full(path, iteration)
     foreign = full.common.get("foreign") or {}
     if foreign.get("tool") != "megatron":
@@ -103,9 +103,7 @@ def from_shardpoint(path: str, iteration: int | None = None) -> ForeignCheckpoin
 
 
 def _model_rank(order: list[str]) -> Any:
-    from shardpoint.foreign.megatron_torch_dist import _model_order
-
-    ranked = list(_model_order(dict.fromkeys(order, None)))  # type: ignore[arg-type]
+    ranked = list(model_order(dict.fromkeys(order, None)))  # type: ignore[arg-type]
     position = {n: i for i, n in enumerate(ranked)}
     return lambda name: position.get(name, len(position))
 

@@ -36,8 +36,7 @@ from shardpoint.foreign._types import ForeignCheckpoint
 from shardpoint.foreign.deepspeed import is_deepspeed_dir, read_deepspeed
 from shardpoint.foreign.megatron import MODEL_FILE, is_legacy_dir, read_legacy
 from shardpoint.foreign.megatron_torch_dist import is_torch_dist_dir, read_torch_dist
-from shardpoint.offline import refuse_writing_into_source, write_checkpoint
-from shardpoint.offline._common import ProgressFn
+from shardpoint.offline import ProgressFn, refuse_writing_into_source, write_checkpoint
 from shardpoint.state.train_state import MODEL_PREFIX, OPTIM_PREFIX
 
 __all__ = ["detect", "find_foreign", "import_checkpoint", "locate", "read_foreign", "to_shardpoint"]

@@ -43,9 +43,9 @@ from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
 from shardpoint.foreign._unpickle import load_dcp_metadata_foreign, load_foreign
 from shardpoint.foreign.megatron import rng_to_safe
 from shardpoint.foreign.structure import split_dim
-from shardpoint.offline._common import single_process
+from shardpoint.offline import single_process
 
-__all__ = ["is_torch_dist_dir", "read_torch_dist"]
+__all__ = ["is_torch_dist_dir", "model_order", "read_torch_dist"]
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def read_torch_dist(directory: str) -> ForeignCheckpoint:
     if moments:
         raise CorruptCheckpointError(f"{directory}: optimizer state for unknown parameters {sorted(moments)[:3]}")
     ckpt.extra["rng_state"] = _rng_states(planner.objects)
-    ckpt.params = _model_order(ckpt.params)
+    ckpt.params = model_order(ckpt.params)
     ckpt.param_groups = _groups(common, ckpt.params)
     return ckpt
 
@@ -195,7 +195,7 @@ def _unstack(key: str, value: torch.Tensor, num_layers: int, local_spec: bool) -
     return [(f"{prefix}layers.{i}.{rest}", value[i].clone()) for i in range(num_layers)]
 
 
-def _model_order(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_order(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """GPTModel's parameter order (embedding, layers in order, final norm, output), as the legacy format has it."""
 
     def rank(name: str) -> tuple:

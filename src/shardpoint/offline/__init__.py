@@ -55,7 +55,7 @@ from collections.abc import Mapping
 import torch
 
 from shardpoint.errors import CheckpointError
-from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, stage_by_name
+from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, single_process, stage_by_name
 from shardpoint.offline._locate import find_layout, is_checkpoint_dir, local_path, looks_like_checkpoint, resolve
 from shardpoint.offline._read import (
     FullCheckpoint,
@@ -87,6 +87,7 @@ __all__ = [
     "read_full",
     "refuse_writing_into_source",
     "resolve",
+    "single_process",
     "stage_by_name",
     "write_checkpoint",
     "writer_lock",
