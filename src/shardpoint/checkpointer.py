@@ -5,9 +5,9 @@ A save: the save policy decides (``maybe_save``), the state is collected into a
 writes and commits it (see there for the steps, and :mod:`shardpoint.lifecycle.commit` for
 why their order is safe); old checkpoints are deleted in the background.
 
-A load: rank 0 picks the checkpoint (tracker, or ``iteration=N``) and reads its
-marker, everyone receives that one answer, checks config and integrity, and the
-format fills the live tensors in place.
+A load: :class:`~shardpoint.lifecycle.load_pipeline.LoadPipeline` finds the checkpoint
+(rank 0 decides, everyone receives the one answer), opens its sources, checks the
+config and the files, and the format fills the live tensors in place.
 
 Each step that can fail locally runs under :func:`shardpoint.parallel.comm.agree`, so a
 failure on one rank is raised on all ranks instead of leaving the others waiting in
@@ -21,79 +21,28 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from shardpoint.catalog.layout import Layout, get_layout
-from shardpoint.catalog.metadata import CheckpointMetadata
-from shardpoint.errors import (
-    ConfigMismatchError,
-    MissingKeysError,
-)
-from shardpoint.formats import FormatContext, Loaded, get_format
-from shardpoint.formats.base import read_torch_file
-from shardpoint.lifecycle.discovery import LoadSources, verify_share, verify_unread
+from shardpoint.formats import get_format
+from shardpoint.lifecycle.discovery import LoadSources
+from shardpoint.lifecycle.load_pipeline import LoadOptions, LoadPipeline, LoadResult
 from shardpoint.lifecycle.node_local import detect as detect_nodes
-from shardpoint.lifecycle.policy import (
-    AnySaveDecision,
-    BestN,
-    EveryNMinutes,
-    EveryNSteps,
-    KeepEvery,
-    LatestN,
-    PreservationPolicy,
-)
+from shardpoint.lifecycle.policy import preservation_policies, save_decision
 from shardpoint.lifecycle.save_pipeline import VALIDATION_FILE, SavePipeline
 from shardpoint.lifecycle.upload import RemoteMirror
 from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
 from shardpoint.state.naming import Rename
-from shardpoint.state.rank_local import RESHARD_POLICIES
 from shardpoint.state.train_state import (
-    MODEL_PREFIX,
-    OPTIM_PREFIX,
-    FlatState,
-    ParamIndex,
     TrainState,
     collect,
-    load_optimizer_shards,
-    restore,
 )
-from shardpoint.storage.base import Storage, open_storage
+from shardpoint.storage.base import open_storage
 
 __all__ = ["VALIDATION_FILE", "Checkpointer", "LoadResult"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadResult:
-    """What :meth:`Checkpointer.load` loaded.
-
-    Attributes:
-        iteration: the iteration to resume from (0 in finetune mode).
-        release: the checkpoint was a release checkpoint.
-        path: its directory.
-        finetune: optimizer and RNG were not loaded and the iteration restarts at 0.
-        extra: the ``TrainState.extra`` saved with it (e.g. ``consumed_samples``).
-        metadata: the parsed ``shardpoint.json``.
-    """
-
-    iteration: int
-    release: bool
-    path: str
-    finetune: bool
-    extra: dict[str, Any]
-    metadata: CheckpointMetadata
-    storage: Storage | None = field(default=None, repr=False)  # node-local: valid until the next load or close()
-
-    def read_validation_logits(self) -> Any:
-        """What was passed as ``validation_logits`` at save (checksum-verified with the rest), or None."""
-        if self.metadata.validation_logits is None or self.storage is None:
-            return None
-        return read_torch_file(self.storage, self.storage.join(self.path, self.metadata.validation_logits))
 
 
 class Checkpointer:
@@ -168,22 +117,10 @@ class Checkpointer:
         self.topology = topology or Topology(1, 1, comm.world_size())
         self.format = get_format(format)
         self.layout: Layout = get_layout(layout)
-        decisions = [EveryNSteps(save_interval)] if save_interval else []
-        if save_interval_minutes:
-            decisions.append(EveryNMinutes(save_interval_minutes))
         self._time_based = save_interval_minutes is not None
-        self.save_policy = AnySaveDecision(tuple(decisions))
-        self.preservation: list[PreservationPolicy] = [
-            p
-            for p in (
-                LatestN(keep_last) if keep_last else None,
-                KeepEvery(keep_every) if keep_every else None,
-                BestN(*keep_best) if keep_best else None,
-            )
-            if p is not None
-        ]
+        self.save_policy = save_decision(save_interval, save_interval_minutes)
+        self.preservation = preservation_policies(keep_last, keep_every, keep_best)
         self.config = _json_config(config)
-        self.allow_config_mismatch = set(allow_config_mismatch)
         self.verify = verify
         self.async_save = async_save
         self.thread_count = thread_count or default_thread_count()
@@ -191,7 +128,14 @@ class Checkpointer:
         self.mirror = RemoteMirror(upload_to, self.layout, self.preservation) if upload_to else None
         self._node = detect_nodes(self.storage, self.root, self.layout, node_local, self.mirror is not None)
         remote = (self.mirror.storage, self.mirror.root) if self.mirror else (None, None)
-        self._sources = LoadSources(self.storage, self.root, self.layout, *remote, self._node)
+        sources = LoadSources(self.storage, self.root, self.layout, *remote, self._node)
+        self._loader = LoadPipeline(
+            sources,
+            self.topology,
+            config=self.config,
+            allow_config_mismatch=allow_config_mismatch,
+            thread_count=self.thread_count,
+        )
         self._saver = SavePipeline(
             self.storage,
             self.root,
@@ -295,7 +239,7 @@ class Checkpointer:
             self._finalize(blocking=True)
         finally:
             self._saver.close()
-            self._sources.close()
+            self._loader.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -341,110 +285,28 @@ class Checkpointer:
         (optimizer state follows its parameter); a strict load then names what is
         still missing.
 
+        The steps are :class:`~shardpoint.lifecycle.load_pipeline.LoadPipeline`'s.
+
         Raises:
             ConfigMismatchError: the saved config differs (keys named in the message).
             MissingKeysError: ``strict`` and the keys do not match.
             CorruptCheckpointError: a file is missing, truncated or fails its checksum.
             TopologyMismatchError: the checkpoint cannot be loaded at this layout.
         """
-        if optimizer_reshard not in RESHARD_POLICIES:
-            raise ValueError(f"optimizer_reshard must be one of {RESHARD_POLICIES}, got {optimizer_reshard!r}")
+        opts = LoadOptions(
+            iteration,
+            finetune,
+            load_optimizer,
+            load_rng,
+            strict,
+            self.verify if verify is None else verify,
+            fallback,
+            optimizer_reshard,
+            rename,
+        )
         self._finalize(blocking=True)
         self._saver.wait_deletions()  # a load may name an old iteration that retention is deleting
-        verify = self.verify if verify is None else verify
-        rank = comm.rank()
-        found = comm.broadcast(
-            comm.agree(
-                lambda: self._sources.find(iteration, verify and fallback) if rank == 0 else None,
-                "finding the checkpoint",
-            )
-        )
-        if found is None:
-            return None
-        where, path, meta_json = found
-        meta = CheckpointMetadata.from_json(meta_json, path)
-        storage, path = self._sources.reader(where, path, meta, verify)  # local, remote, or node-local + remote
-        self._check_config(meta, path)
-        finetune = finetune or meta.release
-        fmt = get_format(meta.format)
-        ctx = FormatContext(
-            storage,
-            path,
-            self.topology,
-            strict=strict,
-            thread_count=self.thread_count,
-            optimizer_reshard=optimizer_reshard,
-            rename=rename,
-            verify=verify,
-        )
-        # every file some rank reads, split over all ranks (each rank's own list may differ: torch format);
-        # the format checks the checksums of some files as it reads them, in the same pass
-        files = sorted(set().union(*comm.all_gather(fmt.files_to_read(ctx, meta))))
-        streamed = fmt.checksummed_while_reading(meta) if verify else set()
-        comm.agree(lambda: verify_share(storage, path, meta, files, verify, streamed), "verifying checkpoint files")
-        flat = collect(
-            state,
-            iteration=meta.iteration,
-            include_optimizer=load_optimizer and not finetune,
-            include_rng=False,
-            init_optimizer=True,
-        )
-        loaded = fmt.load(ctx, flat, meta)
-        verify_unread(storage, path, meta, streamed, loaded.checked)
-        _forget_unsaved_optimizer_state(state, flat, loaded)
-        if strict and (loaded.missing or loaded.unexpected):
-            raise MissingKeysError(path, loaded.missing, loaded.unexpected)
-        if state.optimizer is not None and load_optimizer and not finetune:
-            load_optimizer_shards(state.optimizer, flat.tensors)
-        if not finetune:
-            restore(state, loaded.common, loaded.per_rank if load_rng else None, include_optimizer=load_optimizer)
-        log.info("loaded %s (iteration %d%s)", path, meta.iteration, ", finetune" if finetune else "")
-        return LoadResult(
-            0 if finetune else meta.iteration,
-            meta.release,
-            path,
-            finetune,
-            dict(loaded.common.get("extra", {})),
-            meta,
-            storage,
-        )
-
-    def _check_config(self, meta: CheckpointMetadata, path: str) -> None:
-        differences = {
-            key: (meta.config.get(key), self.config.get(key))
-            for key in set(meta.config) | set(self.config)
-            if key not in self.allow_config_mismatch and meta.config.get(key) != self.config.get(key)
-        }
-        if differences and self.config:
-            raise ConfigMismatchError(path, differences)
-
-
-def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: Loaded) -> None:
-    """Parameters that had no optimizer state at the save (never stepped, or no gradient yet) are not an error.
-
-    Loading created their state (to have targets to fill); drop it again so they start
-    as they would have at the save.
-    """
-    missing = set(loaded.missing)
-    by_param: dict[str, set[str]] = {}
-    for key in [*flat.tensors, *flat.rank_local]:
-        if key.startswith(OPTIM_PREFIX):
-            by_param.setdefault(key[len(OPTIM_PREFIX) :].rsplit(".", 1)[0], set()).add(key)
-    unsaved = {param for param, keys in by_param.items() if keys <= missing}
-    if not unsaved:
-        return
-    loaded.missing = [
-        k
-        for k in loaded.missing
-        if not (k.startswith(OPTIM_PREFIX) and k[len(OPTIM_PREFIX) :].rsplit(".", 1)[0] in unsaved)
-    ]
-    optimizer = state.optimizer
-    if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "sharded_state_dict"):
-        index = ParamIndex(state.model, {k: v for k, v in flat.tensors.items() if k.startswith(MODEL_PREFIX)})
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if index.lookup(param) in unsaved:
-                    optimizer.state.pop(param, None)
+        return self._loader.run(state, opts)
 
 
 def default_thread_count() -> int:

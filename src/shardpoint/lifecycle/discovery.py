@@ -1,4 +1,4 @@
-"""Which checkpoint a load means, and whether its files are intact.
+"""Which checkpoint a load means, and where to read it from.
 
 Rank 0 answers "what do I load?" once (tracker, ``iteration=N``, or the newest
 committed checkpoint when there is no tracker) and broadcasts the answer, so ranks
@@ -16,7 +16,6 @@ it can be (:mod:`shardpoint.lifecycle.node_view`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 from dataclasses import dataclass
 
 from shardpoint.catalog.integrity import verify_files
@@ -26,10 +25,9 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.lifecycle import commit
 from shardpoint.lifecycle.node_local import NodeLocal, PartialCheckpointError, partial_error
 from shardpoint.lifecycle.node_view import NodeView, open_view
-from shardpoint.parallel import comm
 from shardpoint.storage.base import Storage
 
-__all__ = ["LoadSources", "find_checkpoint", "verify_share"]
+__all__ = ["LoadSources", "find_checkpoint"]
 
 LOCAL, REMOTE = "local", "remote"
 
@@ -90,40 +88,6 @@ def _first_intact(storage: Storage, root: str, layout: Layout, path: str, meta: 
             return candidate, candidate_meta.to_json()
         log.warning("skipping damaged checkpoint %s: %s", candidate, "; ".join(map(str, problems)))
     raise CorruptCheckpointError(f"no checkpoint under {root} passes verification")
-
-
-def verify_share(
-    storage: Storage,
-    path: str,
-    meta: CheckpointMetadata,
-    names: list[str],
-    checksums: bool,
-    sizes_only: Collection[str] = (),
-) -> None:
-    """Check this rank's share of ``names`` (round-robin): presence and size always, checksums if asked.
-
-    ``sizes_only``: files whose checksums the load checks while reading them.
-    """
-    missing_record = [n for n in names if n not in meta.files]
-    if missing_record:
-        raise CorruptCheckpointError(f"{path}: {missing_record[0]} is not listed in shardpoint.json")
-    share = names[comm.rank() :: comm.world_size()] if len(names) >= comm.world_size() else names
-    problems = verify_files(storage, path, meta, share, checksums=checksums, sizes_only=sizes_only)
-    if problems:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} is damaged: "
-            + "; ".join(map(str, problems))
-            + ". Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify` for a report"
-        )
-
-
-def verify_unread(storage: Storage, path: str, meta: CheckpointMetadata, streamed: set[str], checked: set[str]) -> None:
-    """Check the files meant to be checked while reading that no rank read (nothing in them was loaded)."""
-    if not streamed:
-        return
-    unread = sorted(streamed - set().union(*comm.all_gather(sorted(checked))))
-    if unread:
-        comm.agree(lambda: verify_share(storage, path, meta, unread, True), "verifying checkpoint files")
 
 
 @dataclass

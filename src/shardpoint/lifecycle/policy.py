@@ -23,6 +23,8 @@ __all__ = [
     "LatestN",
     "PreservationPolicy",
     "SaveDecisionPolicy",
+    "preservation_policies",
+    "save_decision",
     "select_for_deletion",
 ]
 
@@ -137,6 +139,26 @@ class BestN:
         sign = 1 if self.mode == "min" else -1
         scored.sort(key=lambda c: (sign * c.metrics[self.metric], -c.iteration))
         return {c.iteration for c in scored[: self.n]}
+
+
+def save_decision(every_steps: int | None, every_minutes: float | None) -> AnySaveDecision:
+    """The Checkpointer's ``save_interval`` / ``save_interval_minutes`` as one policy (either one saves)."""
+    decisions: list[SaveDecisionPolicy] = [EveryNSteps(every_steps)] if every_steps else []
+    if every_minutes:
+        decisions.append(EveryNMinutes(every_minutes))
+    return AnySaveDecision(tuple(decisions))
+
+
+def preservation_policies(
+    keep_last: int | None, keep_every: int | None, keep_best: tuple[int, str, str] | None
+) -> list[PreservationPolicy]:
+    """The Checkpointer's ``keep_*`` options as policies; a checkpoint any of them keeps survives."""
+    policies = [
+        LatestN(keep_last) if keep_last else None,
+        KeepEvery(keep_every) if keep_every else None,
+        BestN(*keep_best) if keep_best else None,
+    ]
+    return [p for p in policies if p is not None]
 
 
 def select_for_deletion(

@@ -62,6 +62,23 @@ class SaveTimes:
     total_save_seconds: float = 0.0
     last_save_time: float = field(default_factory=time.time)  # wall clock of the last commit
 
+    def record(self, start: float, meta: CheckpointMetadata, final: str) -> None:
+        """A save that began at ``start`` (``perf_counter``) was committed as ``final``."""
+        times = self
+        times.last_save_seconds = time.perf_counter() - start
+        times.total_save_seconds += times.last_save_seconds
+        times.last_save_time = time.time()
+        if comm.rank() == 0:
+            gb = meta.total_bytes / 1e9
+            log.info(
+                "saved %s (%s format, %.3f GB) in %.2f s, %.2f GB/s",
+                final,
+                meta.format,
+                gb,
+                times.last_save_seconds,
+                gb / max(times.last_save_seconds, 1e-9),
+            )
+
 
 @dataclass
 class _PendingSave:
@@ -241,7 +258,7 @@ class SavePipeline:
             records = comm.agree(outcome, "writing checkpoint data")
             all_records = comm.gather_to(records, 0)
             seconds = time.perf_counter() - pending.start
-            meta = self._metadata(pending.iteration, all_records, pending.metrics, pending.extra, seconds)
+            meta = _metadata(self, pending.iteration, all_records, pending.metrics, pending.extra, seconds)
             if self.node is not None:  # node parts, no local tracker; the remote commit follows the upload
                 self.node.commit(tmp, pending.final, records, meta, self.preservation)
             else:
@@ -255,7 +272,7 @@ class SavePipeline:
             raise
         if rank == 0 and self.node is None:
             self._retention.start()
-        self._record_timing(pending.start, meta, pending.final)
+        self.times.record(pending.start, meta, pending.final)
         if self.mirror is not None:
             marker = meta.to_json().encode()
             self.mirror.start(pending.final, list(records), pending.iteration, marker, pending.update_tracker)
@@ -308,34 +325,6 @@ class SavePipeline:
             raise storage_error from exc
         return records
 
-    def _metadata(
-        self,
-        iteration: int | None,
-        all_records: Sequence[dict] | None,
-        metrics: Mapping[str, float],
-        extra: Mapping[str, Any],
-        seconds: float,
-    ) -> CheckpointMetadata:
-        files = {k: v for records in (all_records or []) for k, v in records.items()}
-        return CheckpointMetadata(
-            iteration=iteration or 0,
-            format=self.format.name,
-            topology=self.topology.describe(),
-            release=iteration is None,
-            layout=self.layout.name,
-            config=self.config,
-            files=files,
-            consumed_samples=_optional_int(extra.get("consumed_samples")),
-            flops=_optional_float(extra.get("flops")),
-            metrics=_finite_metrics(metrics),
-            validation_logits=VALIDATION_FILE if VALIDATION_FILE in files else None,
-            wall_time=time.time(),
-            save_seconds=seconds,
-            library_version=__version__,
-            canonical_keys=True,
-            contiguous_items=True,  # ShardSavePlanner writes contiguous items
-        )
-
     def _commit(self, tmp: str, final: str, meta: CheckpointMetadata, update_tracker: bool) -> None:
         """Rank 0: marker, rename, tracker; a deletion still running from the last save is waited for first."""
         self._retention.wait()
@@ -345,21 +334,35 @@ class SavePipeline:
         if update_tracker:
             commit.write_tracker(self.storage, self.root, self.layout, None if meta.release else meta.iteration)
 
-    def _record_timing(self, start: float, meta: CheckpointMetadata, final: str) -> None:
-        times = self.times
-        times.last_save_seconds = time.perf_counter() - start
-        times.total_save_seconds += times.last_save_seconds
-        times.last_save_time = time.time()
-        if comm.rank() == 0:
-            gb = meta.total_bytes / 1e9
-            log.info(
-                "saved %s (%s format, %.3f GB) in %.2f s, %.2f GB/s",
-                final,
-                meta.format,
-                gb,
-                times.last_save_seconds,
-                gb / max(times.last_save_seconds, 1e-9),
-            )
+
+def _metadata(
+    pipeline: SavePipeline,
+    iteration: int | None,
+    all_records: Sequence[dict] | None,
+    metrics: Mapping[str, float],
+    extra: Mapping[str, Any],
+    seconds: float,
+) -> CheckpointMetadata:
+    """The marker of a save: what it holds, how it was laid out, and what it cost."""
+    files = {k: v for records in (all_records or []) for k, v in records.items()}
+    return CheckpointMetadata(
+        iteration=iteration or 0,
+        format=pipeline.format.name,
+        topology=pipeline.topology.describe(),
+        release=iteration is None,
+        layout=pipeline.layout.name,
+        config=pipeline.config,
+        files=files,
+        consumed_samples=_optional_int(extra.get("consumed_samples")),
+        flops=_optional_float(extra.get("flops")),
+        metrics=_finite_metrics(metrics),
+        validation_logits=VALIDATION_FILE if VALIDATION_FILE in files else None,
+        wall_time=time.time(),
+        save_seconds=seconds,
+        library_version=__version__,
+        canonical_keys=True,
+        contiguous_items=True,  # ShardSavePlanner writes contiguous items
+    )
 
 
 def _detached_copy(value: Any) -> Any:

@@ -1,0 +1,298 @@
+"""The load, step by step: the mirror of :mod:`shardpoint.lifecycle.save_pipeline`.
+
+Every rank runs the same sequence::
+
+    find        rank 0 picks the checkpoint (tracker, ``iteration=N``, newest intact
+                with ``fallback``) and broadcasts it (:mod:`~shardpoint.lifecycle.discovery`)
+    open        the storage to read it through: the save directory, the object store,
+                or this node's copy in front of the object store
+    config      the saved config against the Checkpointer's
+    verify      sizes of every file some rank reads, and the checksums of those the
+                format does not check while reading them, split over the ranks
+    collect     the live tensors to fill (optimizer state created where missing)
+    read        the format fills them in place, checking the rest of the checksums
+    restore     optimizer shards, scheduler, RNG and ``extra``
+
+Each step that can fail on one rank runs under :func:`shardpoint.parallel.comm.agree`,
+so every rank raises instead of leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardpoint.catalog.integrity import verify_files
+from shardpoint.catalog.metadata import CheckpointMetadata
+from shardpoint.errors import ConfigMismatchError, CorruptCheckpointError, MissingKeysError
+from shardpoint.formats import CheckpointFormat, FormatContext, Loaded, get_format
+from shardpoint.formats.base import read_torch_file
+from shardpoint.lifecycle.discovery import LoadSources
+from shardpoint.parallel import comm
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.naming import Rename
+from shardpoint.state.rank_local import RESHARD_POLICIES
+from shardpoint.state.train_state import (
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    FlatState,
+    ParamIndex,
+    TrainState,
+    collect,
+    load_optimizer_shards,
+    restore,
+)
+from shardpoint.storage.base import Storage
+
+__all__ = ["LoadOptions", "LoadPipeline", "LoadResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    """What :meth:`Checkpointer.load` loaded.
+
+    Attributes:
+        iteration: the iteration to resume from (0 in finetune mode).
+        release: the checkpoint was a release checkpoint.
+        path: its directory.
+        finetune: optimizer and RNG were not loaded and the iteration restarts at 0.
+        extra: the ``TrainState.extra`` saved with it (e.g. ``consumed_samples``).
+        metadata: the parsed ``shardpoint.json``.
+    """
+
+    iteration: int
+    release: bool
+    path: str
+    finetune: bool
+    extra: dict[str, Any]
+    metadata: CheckpointMetadata
+    storage: Storage | None = field(default=None, repr=False)  # node-local: valid until the next load or close()
+
+    def read_validation_logits(self) -> Any:
+        """What was passed as ``validation_logits`` at save (checksum-verified with the rest), or None."""
+        if self.metadata.validation_logits is None or self.storage is None:
+            return None
+        return read_torch_file(self.storage, self.storage.join(self.path, self.metadata.validation_logits))
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The arguments of :meth:`shardpoint.Checkpointer.load` (documented there)."""
+
+    iteration: int | None = None
+    finetune: bool = False
+    load_optimizer: bool = True
+    load_rng: bool = True
+    strict: bool = True
+    verify: bool = True
+    fallback: bool = False
+    optimizer_reshard: str = "error"
+    rename: Rename = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer_reshard not in RESHARD_POLICIES:
+            raise ValueError(f"optimizer_reshard must be one of {RESHARD_POLICIES}, got {self.optimizer_reshard!r}")
+
+
+@dataclass
+class _Opened:
+    """A checkpoint chosen and opened: what the later steps read from."""
+
+    meta: CheckpointMetadata
+    storage: Storage
+    path: str
+    fmt: CheckpointFormat
+    ctx: FormatContext
+    finetune: bool
+
+
+class LoadPipeline:
+    """Loads a checkpoint into live state; one per Checkpointer (it keeps the last node view open)."""
+
+    def __init__(
+        self,
+        sources: LoadSources,
+        topology: Topology,
+        *,
+        config: Mapping[str, Any],
+        allow_config_mismatch: Collection[str],
+        thread_count: int,
+    ):
+        self.sources = sources
+        self.topology = topology
+        self.config = dict(config)
+        self.allow_config_mismatch = set(allow_config_mismatch)
+        self.thread_count = thread_count
+
+    def run(self, state: TrainState, opts: LoadOptions) -> LoadResult | None:
+        """Every rank: load into ``state``; None when there is nothing to load."""
+        found = self._find(opts)
+        if found is None:
+            return None
+        opened = self._open(found, opts)
+        self._check_config(opened.meta, opened.path)
+        streamed = self._verify(opened, opts)
+        flat = self._collect_targets(state, opened, opts)
+        loaded = self._read(opened, flat, streamed)
+        self._restore(state, flat, loaded, opened, opts)
+        log.info(
+            "loaded %s (iteration %d%s)", opened.path, opened.meta.iteration, ", finetune" if opened.finetune else ""
+        )
+        return LoadResult(
+            0 if opened.finetune else opened.meta.iteration,
+            opened.meta.release,
+            opened.path,
+            opened.finetune,
+            dict(loaded.common.get("extra", {})),
+            opened.meta,
+            opened.storage,
+        )
+
+    def close(self) -> None:
+        self.sources.close()
+
+    # ------------------------------------------------------------------ steps
+    def _find(self, opts: LoadOptions) -> tuple[str, str, str] | None:
+        """Rank 0 decides, everyone receives the one answer: ``(where, directory, marker text)``."""
+        rank = comm.rank()
+        return comm.broadcast(
+            comm.agree(
+                lambda: self.sources.find(opts.iteration, opts.verify and opts.fallback) if rank == 0 else None,
+                "finding the checkpoint",
+            )
+        )
+
+    def _open(self, found: tuple[str, str, str], opts: LoadOptions) -> _Opened:
+        where, path, meta_json = found
+        meta = CheckpointMetadata.from_json(meta_json, path)
+        storage, path = self.sources.reader(where, path, meta, opts.verify)  # local, remote, or node + remote
+        ctx = FormatContext(
+            storage,
+            path,
+            self.topology,
+            strict=opts.strict,
+            thread_count=self.thread_count,
+            optimizer_reshard=opts.optimizer_reshard,
+            rename=opts.rename,
+            verify=opts.verify,
+        )
+        return _Opened(meta, storage, path, get_format(meta.format), ctx, opts.finetune or meta.release)
+
+    def _check_config(self, meta: CheckpointMetadata, path: str) -> None:
+        differences = {
+            key: (meta.config.get(key), self.config.get(key))
+            for key in set(meta.config) | set(self.config)
+            if key not in self.allow_config_mismatch and meta.config.get(key) != self.config.get(key)
+        }
+        if differences and self.config:
+            raise ConfigMismatchError(path, differences)
+
+    def _verify(self, opened: _Opened, opts: LoadOptions) -> set[str]:
+        """Check this rank's share of the files; returns those the format checksums while reading.
+
+        The files are every file some rank reads (each rank's own list may differ: torch
+        format), split over all ranks.
+        """
+        fmt, meta = opened.fmt, opened.meta
+        files = sorted(set().union(*comm.all_gather(fmt.files_to_read(opened.ctx, meta))))
+        streamed = fmt.checksummed_while_reading(meta) if opts.verify else set()
+        comm.agree(
+            lambda: _verify_share(opened.storage, opened.path, meta, files, opts.verify, streamed),
+            "verifying checkpoint files",
+        )
+        return streamed
+
+    def _collect_targets(self, state: TrainState, opened: _Opened, opts: LoadOptions) -> FlatState:
+        return collect(
+            state,
+            iteration=opened.meta.iteration,
+            include_optimizer=opts.load_optimizer and not opened.finetune,
+            include_rng=False,
+            init_optimizer=True,
+        )
+
+    def _read(self, opened: _Opened, flat: FlatState, streamed: set[str]) -> Loaded:
+        loaded = opened.fmt.load(opened.ctx, flat, opened.meta)
+        _verify_unread(opened.storage, opened.path, opened.meta, streamed, loaded.checked)
+        return loaded
+
+    def _restore(self, state: TrainState, flat: FlatState, loaded: Loaded, opened: _Opened, opts: LoadOptions) -> None:
+        _forget_unsaved_optimizer_state(state, flat, loaded)
+        if opts.strict and (loaded.missing or loaded.unexpected):
+            raise MissingKeysError(opened.path, loaded.missing, loaded.unexpected)
+        with_optimizer = opts.load_optimizer and not opened.finetune
+        if state.optimizer is not None and with_optimizer:
+            load_optimizer_shards(state.optimizer, flat.tensors)
+        if not opened.finetune:
+            per_rank = loaded.per_rank if opts.load_rng else None
+            restore(state, loaded.common, per_rank, include_optimizer=opts.load_optimizer)
+
+
+def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: Loaded) -> None:
+    """Parameters that had no optimizer state at the save (never stepped, or no gradient yet) are not an error.
+
+    Loading created their state (to have targets to fill); drop it again so they start
+    as they would have at the save.
+    """
+    missing = set(loaded.missing)
+    by_param: dict[str, set[str]] = {}
+    for key in [*flat.tensors, *flat.rank_local]:
+        if key.startswith(OPTIM_PREFIX):
+            by_param.setdefault(key[len(OPTIM_PREFIX) :].rsplit(".", 1)[0], set()).add(key)
+    unsaved = {param for param, keys in by_param.items() if keys <= missing}
+    if not unsaved:
+        return
+    loaded.missing = [
+        k
+        for k in loaded.missing
+        if not (k.startswith(OPTIM_PREFIX) and k[len(OPTIM_PREFIX) :].rsplit(".", 1)[0] in unsaved)
+    ]
+    optimizer = state.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "sharded_state_dict"):
+        index = ParamIndex(state.model, {k: v for k, v in flat.tensors.items() if k.startswith(MODEL_PREFIX)})
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if index.lookup(param) in unsaved:
+                    optimizer.state.pop(param, None)
+
+
+def _verify_share(
+    storage: Storage,
+    path: str,
+    meta: CheckpointMetadata,
+    names: list[str],
+    checksums: bool,
+    sizes_only: Collection[str] = (),
+) -> None:
+    """Check this rank's share of ``names`` (round-robin): presence and size always, checksums if asked.
+
+    ``sizes_only``: files whose checksums the load checks while reading them.
+    """
+    missing_record = [n for n in names if n not in meta.files]
+    if missing_record:
+        raise CorruptCheckpointError(f"{path}: {missing_record[0]} is not listed in shardpoint.json")
+    share = names[comm.rank() :: comm.world_size()] if len(names) >= comm.world_size() else names
+    problems = verify_files(storage, path, meta, share, checksums=checksums, sizes_only=sizes_only)
+    if problems:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is damaged: "
+            + "; ".join(map(str, problems))
+            + ". Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify` for a report"
+        )
+
+
+def _verify_unread(
+    storage: Storage, path: str, meta: CheckpointMetadata, streamed: set[str], checked: set[str]
+) -> None:
+    """Check the files meant to be checked while reading that no rank read (nothing in them was loaded)."""
+    if not streamed:
+        return
+    unread = sorted(streamed - set().union(*comm.all_gather(sorted(checked))))
+    if unread:
+        comm.agree(lambda: _verify_share(storage, path, meta, unread, True), "verifying checkpoint files")
