@@ -1,5 +1,8 @@
 """Run a function on N real processes joined by a gloo process group (CPU).
 
+The default group uses the strict backend (:mod:`tests.strict_backend`: gloo with
+NCCL's rules enforced on shardpoint's calls); ``SP_TEST_BACKEND=gloo`` runs plain gloo.
+
 Children start from a forkserver that has already imported torch, so a rank starts
 in well under a second instead of re-importing torch. Each rank's return value is
 written with ``torch.save`` and handed back; a rank that raises makes ``launch``
@@ -38,7 +41,13 @@ def _child(rank: int, world: int, port: int, out: str, env: dict[str, str], fn: 
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        backend = os.environ.get("SP_TEST_BACKEND", "strict")
+        if backend == "strict":
+            from tests import strict_backend
+
+            strict_backend.register()
+        timeout = timedelta(seconds=float(os.environ.get("SP_TEST_TIMEOUT", 60)))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         result = fn(rank, world, *args)
         torch.save(result, f"{out}/result_{rank}.pt")
         dist.barrier()

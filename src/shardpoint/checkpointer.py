@@ -112,6 +112,7 @@ class Checkpointer:
             raise ValueError(f"async_save=True needs format='dist' (got format={format!r})")
         if replica_check_interval < 0:
             raise ValueError(f"replica_check_interval must be >= 0, got {replica_check_interval}")
+        comm.control_group()  # collective: created here, on every rank in the same order
         self.storage = open_storage(path)
         self.root = self.storage.root
         self.topology = topology or Topology(1, 1, comm.world_size())

@@ -35,7 +35,7 @@ class FormatContext:
     strict: bool = True
     thread_count: int = 1
     distributed_optimizer: bool = False
-    process_group: Any = None  # for DCP's collectives; a dedicated one for background saves
+    process_group: Any = None  # for DCP's collectives; None: the control group (a dedicated one for async saves)
     optimizer_reshard: str = "error"  # per-rank state at another layout: "error" or "reinit" (see rank_local)
     rename: Any = None  # saved key -> current key on load: a mapping or a callable (see naming)
     verify: bool = False  # on load: check the checksums of the files a format checks while reading

@@ -317,7 +317,7 @@ class DistFormat:
                 state_dict,
                 storage_writer=writer,
                 planner=ShardSavePlanner(shards),
-                process_group=ctx.process_group,
+                process_group=ctx.process_group or comm.control_group(),
                 no_dist=not comm.initialized(),
             )
         files = writer.records()
@@ -349,6 +349,7 @@ class DistFormat:
                 {k: s.tensor for k, s in present.items()},
                 storage_reader=reader,
                 planner=ShardLoadPlanner(present, ctx.directory),
+                process_group=comm.control_group(),
                 no_dist=not comm.initialized(),
             )
         rank_local.reinitialise(plan)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardpoint.parallel import devices
 from shardpoint.state.train_state import FlatState
 
 __all__ = ["BackgroundWrite", "SnapshotBuffers"]
@@ -48,8 +49,7 @@ class SnapshotBuffers:
         """A copy of ``flat`` that the trainer may change right after this returns."""
         tensors = {key: shard.like(self._copy(key, shard.tensor)) for key, shard in flat.tensors.items()}
         own = {key: self._copy(_RANK_LOCAL + key, t) for key, t in flat.rank_local.items()}
-        if any(t.is_cuda for t in [*(s.tensor for s in flat.tensors.values()), *flat.rank_local.values()]):
-            torch.cuda.synchronize()
+        devices.synchronize([*(s.tensor for s in flat.tensors.values()), *flat.rank_local.values()])
         self._drop_unused({*tensors, *(_RANK_LOCAL + key for key in own)})
         common, per_rank = copy.deepcopy(flat.common), copy.deepcopy(flat.per_rank)
         return FlatState(tensors, common, per_rank, own, set(flat.shared_if_equal))
@@ -77,6 +77,7 @@ class BackgroundWrite:
     result: Any = None
     error: BaseException | None = None
     finished: float | None = None
+    device: torch.device | None = field(default_factory=devices.thread_device)  # the trainer thread's
     _thread: threading.Thread | None = None
 
     def start(self) -> BackgroundWrite:
@@ -86,6 +87,7 @@ class BackgroundWrite:
 
     def _run(self) -> None:
         try:
+            devices.bind(self.device)  # before any CUDA work (DCP's loader, pinned copies)
             self.result = self.work()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread at the next call
             self.error = exc

@@ -3,12 +3,23 @@
 The central rule (DCP's, and ours): a failure on one rank reaches every rank as an
 exception, never as a hang. :func:`agree` runs a step on every rank, then exchanges
 the outcomes, so every rank raises when any rank failed.
+
+All of shardpoint's control traffic (agreement, commit, record and hash gathers,
+decisions, polls) runs on one dedicated gloo group of all ranks, the *control
+group*, never on the trainer's default group. Under NCCL the default group would
+pickle every object onto the current GPU, sync the training stream for each poll, and
+abort after NCCL's 10-minute watchdog while rank 0 alone verifies or deletes; the
+control group lives on the CPU and waits :data:`CONTROL_TIMEOUT`. It is created at
+the first collective (the Checkpointer makes one at construction, so every rank
+creates it at the same point) and again after the default group is re-created.
 """
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -16,6 +27,11 @@ import torch.distributed as dist
 from shardpoint.errors import CheckpointError
 
 T = TypeVar("T")
+
+# long enough for rank 0 to verify a fallback chain or delete old checkpoints while the others wait
+CONTROL_TIMEOUT = timedelta(seconds=float(os.environ.get("SHARDPOINT_CONTROL_TIMEOUT", 2 * 3600)))
+
+_control: dict[str, Any] = {"world": None, "group": None}
 
 
 def initialized() -> bool:
@@ -31,45 +47,62 @@ def world_size() -> int:
 
 
 def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """``obj`` from global rank ``src`` on every rank of ``group`` (None: all ranks)."""
+    """``obj`` from global rank ``src`` on every rank of ``group`` (None: the control group)."""
     if not initialized() or world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=src, group=group or control_group())
     return box[0]
 
 
 def all_gather(obj: Any, group: Any = None) -> list[Any]:
     if not initialized() or world_size() == 1:
         return [obj]
+    group = group or control_group()
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def gather_to(obj: Any, dst: int, group: Any = None) -> list[Any] | None:
-    """Gather to global rank ``dst`` over ``group`` (None: the world or no group)."""
+    """Gather to global rank ``dst`` over ``group`` (None: the control group, or no group)."""
     if not initialized() or (group is None and world_size() == 1):
         return [obj]
+    group = group or control_group()
     size = dist.get_world_size(group)
     out = [None] * size if rank() == dst else None
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
 
 
-def new_group() -> Any:
-    """A gloo group of all ranks for background collectives (None without a process group).
+def new_group(ranks: list[int] | None = None) -> Any:
+    """A gloo group (all ranks, or ``ranks``) for control traffic; None without a process group.
 
-    Collective: every rank must call it at the same point.
+    Collective: every rank must call it at the same point, also ranks not in ``ranks``.
     """
     if not initialized() or world_size() == 1:
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def barrier() -> None:
+def control_group() -> Any:
+    """The gloo group of all ranks that carries shardpoint's control traffic (None in one process).
+
+    Collective the first time (and after the default group was re-created); every
+    collective of this module starts with it, so every rank gets here at the same point.
+    """
+    if not initialized() or world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    if _control["world"] is not world:
+        _control["group"] = new_group()
+        _control["world"] = world
+    return _control["group"]
+
+
+def barrier(group: Any = None) -> None:
     if initialized() and world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group or control_group())
 
 
 def agree(step: Callable[[], T], what: str, group: Any = None) -> T:

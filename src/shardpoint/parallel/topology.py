@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardpoint.errors import TopologyMismatchError
+from shardpoint.parallel import comm
 
 __all__ = ["Topology"]
 
@@ -78,7 +79,8 @@ class Topology:
         }
         topo = cls(sizes["tp"], sizes["pp"], sizes["dp"], rank=dist.get_rank() if _initialized() else 0)
         object.__setattr__(topo, "_coords", coords)
-        topo._groups.update({"tp": tp_group, "pp": pp_group, "dp": dp_group})
+        # the trainer's groups name the coordinates; shardpoint's traffic goes over gloo mirrors of them
+        topo._groups["trainer_dp"] = dp_group
         return topo
 
     @classmethod
@@ -144,19 +146,25 @@ class Topology:
         return {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size}
 
     def dp_group(self) -> Any:
-        """This rank's data-parallel process group, created on first use.
+        """This rank's data-parallel group for shardpoint's own traffic: gloo, created on first use.
 
-        Creating groups is collective: every rank must call this the same number of
-        times, which the Checkpointer guarantees by calling it from collective code only.
+        Never the trainer's (NCCL) group: with :meth:`from_groups` the members are read
+        from the trainer's group and mirrored on gloo. Creating groups is collective:
+        every rank must call this the same number of times, which the Checkpointer
+        guarantees by calling it from collective code only.
         """
         if "dp" not in self._groups:
-            self._groups["dp"] = self._build_groups(
-                [
+            trainer = self._groups.get("trainer_dp")
+            if trainer is not None:
+                mine = sorted(dist.get_process_group_ranks(trainer))
+                members = sorted({tuple(m) for m in comm.all_gather(mine)})
+            else:
+                members = [
                     [self.rank_of(tp=t, pp=p, dp=d) for d in range(self.dp_size)]
                     for p in range(self.pp_size)
                     for t in range(self.tp_size)
                 ]
-            )
+            self._groups["dp"] = self._build_groups([list(m) for m in members])
         return self._groups["dp"]
 
     def _build_groups(self, members: list[list[int]]) -> Any:
@@ -164,7 +172,7 @@ class Topology:
             return None
         mine = None
         for ranks in members:
-            group = dist.new_group(ranks)
+            group = comm.new_group(ranks)
             if self.rank in ranks:
                 mine = group
         return mine
