@@ -56,7 +56,7 @@ class StrictProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self.inner = inner
 
-    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+    def getBackendName(self) -> str:
         return NAME
 
     def _check(self, op: str, tensors: list[torch.Tensor]) -> None:

@@ -79,8 +79,9 @@ def new_group(ranks: list[int] | None = None) -> Any:
     """A gloo group (all ranks, or ``ranks``) for control traffic; None without a process group.
 
     Collective: every rank must call it at the same point, also ranks not in ``ranks``.
+    A job of one rank gets one too: DCP would otherwise use the default group.
     """
-    if not initialized() or world_size() == 1:
+    if not initialized():
         return None
     return dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
 
@@ -91,7 +92,7 @@ def control_group() -> Any:
     Collective the first time (and after the default group was re-created); every
     collective of this module starts with it, so every rank gets here at the same point.
     """
-    if not initialized() or world_size() == 1:
+    if not initialized():
         return None
     world = dist.group.WORLD
     if _control["world"] is not world:
