@@ -34,14 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, out: str, env: dict[str, str], fn: Callable, args: tuple) -> None:
+def _child(
+    rank: int, world: int, port: int, out: str, env: dict[str, str], fn: Callable, args: tuple, backend: str
+) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        backend = os.environ.get("SP_TEST_BACKEND", "strict")
+        backend = os.environ.get("SP_TEST_BACKEND", backend)
         if backend == "strict":
             from tests import strict_backend
 
@@ -73,8 +75,11 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = 180,
     expect_failure: bool = False,
+    backend: str = "strict",
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's result.
+
+    ``backend`` of the default group: ``"strict"`` (NCCL's rules on gloo) or ``"gloo"``.
 
     With ``expect_failure`` the exit codes are returned instead of raising (for
     tests that kill ranks on purpose). A rendezvous port taken by someone else
@@ -82,7 +87,7 @@ def launch(
     """
     for attempt in range(3):
         try:
-            return _launch_once(fn, world, args, env, timeout, expect_failure)
+            return _launch_once(fn, world, args, env, timeout, expect_failure, backend)
         except RankFailure as failure:
             taken = any("address already in use" in tb.lower() for tb in failure.errors.values())
             if not taken or attempt == 2:
@@ -91,11 +96,19 @@ def launch(
 
 
 def _launch_once(
-    fn: Callable, world: int, args: tuple, env: dict[str, str] | None, timeout: float, expect_failure: bool
+    fn: Callable,
+    world: int,
+    args: tuple,
+    env: dict[str, str] | None,
+    timeout: float,
+    expect_failure: bool,
+    backend: str,
 ) -> list[Any]:
     out = tempfile.mkdtemp(prefix="sp-ranks-")
     port = free_port()
-    procs = [_CTX.Process(target=_child, args=(r, world, port, out, env or {}, fn, args)) for r in range(world)]
+    procs = [
+        _CTX.Process(target=_child, args=(r, world, port, out, env or {}, fn, args, backend)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -15,8 +15,8 @@ and counts every call (:data:`CALLS`), so tests can assert that a step which doe
 not save makes no collective on the default group.
 
 Calls from the test's own code, the demo trainer and frameworks it drives are
-allowed, as a trainer's would be: only frames inside ``src/shardpoint`` (outside
-``demo/`` and ``bench.py``) make a call ours.
+allowed, as a trainer's would be: a call is ours when the innermost frame outside
+torch is in ``src/shardpoint`` (outside ``demo/`` and ``bench.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ CALLS: dict[str, int] = {}
 
 _PACKAGE = str(Path(__file__).resolve().parents[1] / "src" / "shardpoint")
 _USER_PARTS = (f"{_PACKAGE}/demo/", f"{_PACKAGE}/bench.py")
+_TORCH = str(Path(torch.__file__).resolve().parent)
 
 
 class StrictBackendError(RuntimeError):
@@ -41,12 +42,19 @@ class StrictBackendError(RuntimeError):
 
 
 def _ours() -> str | None:
-    """The first shardpoint frame (file:line) on the stack, or None for a trainer's own call."""
+    """The shardpoint frame (file:line) that made this call, or None for a trainer's own call.
+
+    The innermost frame outside torch decides: DCP's collectives run on behalf of the
+    shardpoint code that called DCP, while a trainer's callback that shardpoint calls
+    (a forward pass computing validation logits) makes the trainer's own calls.
+    """
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(_PACKAGE) and not name.startswith(_USER_PARTS):
-            return f"{name[len(_PACKAGE) + 1 :]}:{frame.f_lineno}"
+        if not name.startswith(_TORCH) and name != __file__:
+            if name.startswith(_PACKAGE) and not name.startswith(_USER_PARTS):
+                return f"{name[len(_PACKAGE) + 1 :]}:{frame.f_lineno}"
+            return None
         frame = frame.f_back
     return None
 
@@ -124,14 +132,18 @@ class StrictProcessGroup(dist.ProcessGroup):
         return self.inner.barrier(opts or dist.BarrierOptions())
 
 
-def _create(store, rank, size, timeout):
-    return StrictProcessGroup(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size)
+def _create(opts, backend_options):
+    """c10d's extended creator API: it names the group, which DeviceMesh looks groups up by."""
+    inner = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    pg = StrictProcessGroup(inner, opts.group_rank, opts.group_size)
+    pg.name = opts.group_id
+    return pg
 
 
 def register() -> None:
     """Make ``"strict"`` a backend name for ``init_process_group`` / ``new_group`` in this process."""
     if not hasattr(dist.Backend, NAME.upper()):
-        dist.Backend.register_backend(NAME, _create, devices=["cpu"])
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
 
 
 def calls() -> int:
