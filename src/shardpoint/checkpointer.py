@@ -295,15 +295,15 @@ class Checkpointer:
             TopologyMismatchError: the checkpoint cannot be loaded at this layout.
         """
         opts = LoadOptions(
-            iteration,
-            finetune,
-            load_optimizer,
-            load_rng,
-            strict,
-            self.verify if verify is None else verify,
-            fallback,
-            optimizer_reshard,
-            rename,
+            iteration=iteration,
+            finetune=finetune,
+            load_optimizer=load_optimizer,
+            load_rng=load_rng,
+            strict=strict,
+            verify=self.verify if verify is None else verify,
+            fallback=fallback,
+            optimizer_reshard=optimizer_reshard,
+            rename=rename,
         )
         self._finalize(blocking=True)
         self._saver.wait_deletions()  # a load may name an old iteration that retention is deleting
