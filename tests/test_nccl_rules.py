@@ -83,11 +83,11 @@ def _rank0_works_alone(rank: int, world: int, root: str):
 
 
 def test_rank0_alone_outlasts_a_short_default_group_timeout(tmp_path):
-    """Rank 0 deletes for 4 s while the others wait; the default group would give up after 2 s."""
+    """Rank 0 deletes for 8 s while the others wait; the default group would give up after 4 s."""
     env = {
         "SP_TEST_BACKEND": "gloo",  # the timeout alone, apart from the strict checks
-        "SP_TEST_TIMEOUT": "2",
-        "SHARDPOINT_FAULT": "point=mid-retention,rank=0,action=stall,seconds=4",
+        "SP_TEST_TIMEOUT": "4",
+        "SHARDPOINT_FAULT": "point=mid-retention,rank=0,action=stall,seconds=8",
     }
     assert launch(_rank0_works_alone, 2, str(tmp_path), env=env) == [3, 3]
 
