@@ -17,7 +17,7 @@ import torch
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.parallel.topology import Topology
-from shardpoint.state import rank_local
+from shardpoint.state import naming
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import LocalStorage, Storage
 from shardpoint.storage.safe_io import safe_torch_load
@@ -105,5 +105,5 @@ def unexpected_keys(saved: set[str], wanted: set[str]) -> list[str]:
     """
     asked_parts = {k.split(".", 1)[0] for k in wanted}
     return sorted(
-        k for k in saved - wanted if k.split(".", 1)[0] in asked_parts and not k.startswith(rank_local.PREFIX)
+        k for k in saved - wanted if k.split(".", 1)[0] in asked_parts and not k.startswith(naming.RANK_LOCAL_PREFIX)
     )

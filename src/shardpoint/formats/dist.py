@@ -310,7 +310,7 @@ class DistFormat:
         storage.makedirs(storage.join(directory, "rng"))
         writer = dcp_writer(storage, directory, ctx.thread_count)
         shards = dict(flat.tensors)
-        shards.update({rank_local.stored_key(k, rank): rank_local.whole(t) for k, t in flat.rank_local.items()})
+        shards.update({naming.stored_key(k, rank): rank_local.whole(t) for k, t in flat.rank_local.items()})
         state_dict = {key: shard.tensor for key, shard in shards.items()}
         with _dcp_errors(directory), paused_gc():
             dcp.save(
@@ -378,7 +378,7 @@ class DistFormat:
         )
         to_stored = {current: stored for stored, current in to_current.items()}
         saved = {to_current.get(k, k) for k in metadata.state_dict_metadata}
-        per_rank = [split for split in map(rank_local.split_key, saved) if split is not None]
+        per_rank = [split for split in map(naming.split_key, saved) if split is not None]
         same_layout = meta.topology == ctx.topology.describe()
         plan = rank_local.resolve(
             flat,
@@ -389,7 +389,7 @@ class DistFormat:
             where=ctx.directory,
         )
         targets = dict(plan.shared)
-        targets.update({rank_local.stored_key(k, rank): rank_local.whole(t) for k, t in plan.own.items()})
+        targets.update({naming.stored_key(k, rank): rank_local.whole(t) for k, t in plan.own.items()})
         return {to_stored.get(k, k): shard for k, shard in targets.items()}, plan
 
     def _per_rank(self, ctx: FormatContext, meta: CheckpointMetadata) -> dict[str, Any] | None:

@@ -105,11 +105,17 @@ class _Opened:
     """A checkpoint chosen and opened: what the later steps read from."""
 
     meta: CheckpointMetadata
-    storage: Storage
-    path: str
     fmt: CheckpointFormat
-    ctx: FormatContext
+    ctx: FormatContext  # holds the storage and directory it is read through
     finetune: bool
+
+    @property
+    def storage(self) -> Storage:
+        return self.ctx.storage
+
+    @property
+    def path(self) -> str:
+        return self.ctx.directory
 
 
 class LoadPipeline:
@@ -182,7 +188,7 @@ class LoadPipeline:
             rename=opts.rename,
             verify=opts.verify,
         )
-        return _Opened(meta, storage, path, get_format(meta.format), ctx, opts.finetune or meta.release)
+        return _Opened(meta, get_format(meta.format), ctx, opts.finetune or meta.release)
 
     def _check_config(self, meta: CheckpointMetadata, path: str) -> None:
         differences = {

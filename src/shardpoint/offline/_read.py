@@ -30,7 +30,7 @@ from shardpoint.offline._common import (
     stage_from_source,
 )
 from shardpoint.offline._locate import resolve
-from shardpoint.state import naming, rank_local
+from shardpoint.state import naming
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import OPTIM_PREFIX
 from shardpoint.storage.base import Storage, open_storage
@@ -148,7 +148,7 @@ def _read_dist(storage: Storage, directory: str, meta: CheckpointMetadata, progr
     metadata = dcp_reader(storage, directory).read_metadata()
     tensors: dict[str, torch.Tensor] = {}
     boxes: dict[str, set[Box]] = {}
-    per_rank = sorted(k for k in metadata.state_dict_metadata if k.startswith(rank_local.PREFIX))
+    per_rank = sorted(k for k in metadata.state_dict_metadata if k.startswith(naming.RANK_LOCAL_PREFIX))
     if per_rank:
         log.warning(
             "%s: %d per-rank tensor(s) (e.g. Adafactor's factored statistics of sharded weights) belong to the saved "

@@ -25,19 +25,14 @@ import torch
 
 from shardpoint.errors import TopologyMismatchError
 from shardpoint.parallel import comm
-from shardpoint.state.naming import RANK_LOCAL_PREFIX as PREFIX
-from shardpoint.state.naming import split_key, stored_key
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import FlatState
 
 __all__ = [
-    "PREFIX",
     "RESHARD_POLICIES",
     "RankLocalPlan",
     "reinitialise",
     "resolve",
-    "split_key",
-    "stored_key",
     "warn_reinit",
     "whole",
 ]
