@@ -227,7 +227,8 @@ def test_verify_passes_intact_checkpoints(runs):
         "iter_0000002",
         "iter_0000003",
     ]
-    assert all(c["ok"] and c["files"] == 8 for c in report["checkpoints"])
+    # per model-parallel rank (tp2 pp2): the main file and one file per dp rank (dp2) of its own optimizer slices
+    assert all(c["ok"] and c["files"] == 4 * (1 + 2) for c in report["checkpoints"])
 
 
 def test_verify_names_every_damaged_file(tmp_path, runs):
@@ -360,11 +361,11 @@ def test_convert_refuses_its_source_and_damaged_input(tmp_path, runs):
     assert result.rc == 1 and "is the source's directory" in result.one_line_error()
 
     damaged = _copy(runs["torch"], tmp_path / "damaged")
-    victim = damaged / "iter_0000003" / "mp_rank_01_001" / "distrib_optim.pt"
+    victim = damaged / "iter_0000003" / "mp_rank_01_001" / "dp_rank_0001.pt"
     victim.write_bytes(victim.read_bytes()[:-10])
     result = run_cli("convert", damaged, tmp_path / "out", "--tp", 1, "--pp", 1)
     assert result.rc == 1
-    assert "mp_rank_01_001/distrib_optim.pt: size" in result.one_line_error()
+    assert "mp_rank_01_001/dp_rank_0001.pt: size" in result.one_line_error()
     assert not (tmp_path / "out").exists()
 
 

@@ -3,7 +3,8 @@
 ::
 
     iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   # written by data-parallel rank 0
-    iter_0000100/mp_rank_TT[_PPP]/distrib_optim.pt     # state split over dp (ZeRO, FSDP), gathered over dp
+    iter_0000100/mp_rank_TT[_PPP]/dp_rank_DDDD.pt      # each dp rank's own parts: state split over dp
+                                                       # (ZeRO, FSDP) and RankLocal tensors
 
 ``model_optim_rng.pt`` holds what Megatron's does (checkpoint version, iteration,
 model, optimizer, scheduler, RNG of every dp rank, FLOPs so far) with two
@@ -13,13 +14,16 @@ offline, and the config is stored as JSON text, never as a pickled ``args`` obje
 Everything loads with ``torch.load(weights_only=True)``.
 
 The file is per model-parallel rank, so loading needs the same tp and pp; dp may
-change (a distributed optimizer's slices are reassembled from the gathered pieces).
+change (a distributed optimizer's slices are reassembled from every dp rank's pieces).
+Checkpoints written before the per-dp-rank files held all pieces in one gathered
+``distrib_optim.pt`` and the rank-local tensors in the main file; both still load.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,7 +44,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 3.0
 MAIN_FILE = "model_optim_rng.pt"
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # older checkpoints: every dp rank's pieces, gathered to dp rank 0
+DP_FILE_PREFIX = "dp_rank_"
 
 
 class TorchFormat:
@@ -51,19 +56,19 @@ class TorchFormat:
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         topo = ctx.topology
         folder = topo.mp_rank_name
+        storage = ctx.storage
+        storage.makedirs(storage.join(ctx.directory, folder))
         split = _split_over_dp(topo, flat, ctx.distributed_optimizer)
         dp_sharded = {k: s for k, s in flat.tensors.items() if k in split}
         plain = {k: s for k, s in flat.tensors.items() if k not in dp_sharded}
-        own = {k: _compact(t) for k, t in flat.rank_local.items()}
-        per_dp_rank = self._gather_over_dp(topo, (flat.per_rank, own))
-        pieces = self._gather_over_dp(topo, _pieces(dp_sharded)) if dp_sharded else None
+        files = _write_dp_file(ctx, folder, dp_sharded, flat.rank_local)
+        # only small objects cross ranks: RNG states, stateful objects, rank-local key names
+        per_dp_rank = self._gather_over_dp(topo, (flat.per_rank, sorted(flat.rank_local)))
         if topo.dp_rank != 0:
-            return {}
+            return files
         rng_states = [per_rank.get("rng") for per_rank, _ in per_dp_rank]
         stateful = [per_rank.get("stateful") for per_rank, _ in per_dp_rank]
-        rank_local_states = [own for _, own in per_dp_rank]
-        storage = ctx.storage
-        storage.makedirs(storage.join(ctx.directory, folder))
+        rank_local_keys = [keys for _, keys in per_dp_rank]
         payload = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": flat.common["iteration"],
@@ -75,23 +80,14 @@ class TorchFormat:
             },
             "common": flat.common,
             "rng_state": rng_states if flat.per_rank else None,
-            "rank_local": rank_local_states if any(rank_local_states) else None,
+            "rank_local_keys": rank_local_keys if any(rank_local_keys) else None,
             "stateful": stateful if any(stateful) else None,
             "num_floating_point_operations_so_far": flat.common.get("extra", {}).get("flops", 0),
             "config_json": json.dumps(flat.common.get("config", {})),
             "topology": topo.describe(),
         }
         main_name = f"{folder}/{MAIN_FILE}"
-        files = {main_name: write_torch_file(payload, storage.join(ctx.directory, main_name), storage)}
-        if pieces is not None:
-            merged: dict[str, list[dict[str, Any]]] = {}
-            for rank_pieces in pieces:
-                for key, items in rank_pieces.items():
-                    merged.setdefault(key, []).extend(items)
-            name = f"{folder}/{DISTRIB_OPTIM_FILE}"
-            files[name] = write_torch_file(
-                {"pieces": merged, "dp_size": topo.dp_size}, storage.join(ctx.directory, name), storage
-            )
+        files[main_name] = write_torch_file(payload, storage.join(ctx.directory, main_name), storage)
         return files
 
     @staticmethod
@@ -112,26 +108,29 @@ class TorchFormat:
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
         _check_layout(ctx, meta)
         storage = ctx.storage
-        folder = storage.join(ctx.directory, ctx.topology.mp_rank_name)
-        main_path = storage.join(folder, MAIN_FILE)
+        folder = ctx.topology.mp_rank_name
+        main_path = storage.join(ctx.directory, folder, MAIN_FILE)
         payload = comm.agree(lambda: _read(storage, main_path), "reading the torch-format checkpoint")
-        distrib_path = storage.join(folder, DISTRIB_OPTIM_FILE)
         stored = {**payload.get("model", {}), **payload.get("optimizer", {})}
 
         def fill() -> tuple[list[str], dict | None, list[str]]:
             nonlocal stored
-            pieces = (
-                read_torch_file(storage, distrib_path, mmap=True)["pieces"] if storage.exists(distrib_path) else None
-            )
-            own = payload.get("rank_local") or []
-            keys = {*stored, *(pieces or {}), *(k for d in own for k in d)}
+            per_dp = {
+                name: read_torch_file(storage, storage.join(ctx.directory, name), mmap=True)
+                for name in dp_files(meta.files, folder)
+            }
+            pieces = _merged_pieces(per_dp.values()) if per_dp else None
+            own_keys = _rank_local_keys(payload)
+            keys = {*stored, *(pieces or {}), *(k for ks in own_keys for k in ks)}
             names = naming.stored_to_current(keys, ctx.rename, main_path, canonical=meta.canonical_keys)
             stored, pieces = naming.translate(names, stored), pieces and naming.translate(names, pieces)
-            payload["rank_local"] = [naming.translate(names, d) for d in own] or None
-            plan = _rank_local_plan(ctx, flat, meta, payload, set(stored) | set(pieces or {}), main_path)
+            own_keys = [[names.get(k, k) for k in ks] for ks in own_keys]
+            plan = _rank_local_plan(ctx, flat, meta, own_keys, set(stored) | set(pieces or {}), main_path)
             boxes = naming.translate(names, payload.get("sharding", {}))
             missing = _fill(plan.shared, stored, boxes, pieces, main_path)
-            _fill_own(plan.own, payload["rank_local"][ctx.topology.dp_rank] if plan.own else {}, main_path)
+            if plan.own:
+                own = _own_tensors(payload, per_dp, f"{folder}/{dp_file(ctx.topology.dp_rank)}", ctx.topology.dp_rank)
+                _fill_own(plan.own, naming.translate(names, own), main_path)
             rank_local.reinitialise(plan)
             return missing, pieces, list(plan.reinit)
 
@@ -145,10 +144,77 @@ class TorchFormat:
         return Loaded(payload["common"], per_rank, missing, unexpected_keys(saved_keys, wanted))
 
 
+def dp_file(dp_rank: int) -> str:
+    """The file of one data-parallel rank's own parts (distributed-optimizer pieces, rank-local tensors)."""
+    return f"{DP_FILE_PREFIX}{dp_rank:04d}.pt"
+
+
+def dp_files(names: Iterable[str], folder: str) -> list[str]:
+    """The per-dp-rank files of model-parallel rank ``folder`` among ``names``, and the older gathered one."""
+    return sorted(
+        n
+        for n in names
+        if n.startswith(folder + "/")
+        and (n.rsplit("/", 1)[-1].startswith(DP_FILE_PREFIX) or n.endswith("/" + DISTRIB_OPTIM_FILE))
+    )
+
+
+def read_pieces(storage: Storage, directory: str, names: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+    """The distributed-optimizer pieces held in the files ``names`` (relative to ``directory``)."""
+    return _merged_pieces(read_torch_file(storage, storage.join(directory, n), mmap=True) for n in names)
+
+
+def _merged_pieces(payloads: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for payload in payloads:
+        for key, items in payload.get("pieces", {}).items():
+            merged.setdefault(key, []).extend(items)
+    return merged
+
+
+def _write_dp_file(
+    ctx: FormatContext, folder: str, dp_sharded: dict[str, Shard], own: dict[str, torch.Tensor]
+) -> dict[str, FileRecord]:
+    """This rank's dp-split pieces and rank-local tensors in a file of its own.
+
+    Every data-parallel rank writes its own parts, as Megatron's ``torch_dist``
+    ranks do: no rank receives another's optimizer slice, so neither GPU nor host
+    memory holds more than this rank's state (one host copy of its own parts).
+    Before, the slices were pickled and gathered to dp rank 0, which needed
+    slice × dp of memory there.
+    """
+    if not dp_sharded and not own:
+        return {}
+    topo = ctx.topology
+    payload = {
+        "pieces": _pieces(dp_sharded),
+        "rank_local": {k: _compact(t) for k, t in own.items()},
+        "dp_rank": topo.dp_rank,
+        "dp_size": topo.dp_size,
+    }
+    name = f"{folder}/{dp_file(topo.dp_rank)}"
+    return {name: write_torch_file(payload, ctx.storage.join(ctx.directory, name), ctx.storage)}
+
+
+def _rank_local_keys(payload: dict[str, Any]) -> list[list[str]]:
+    """Per dp rank, the keys of its rank-local tensors (older checkpoints held the tensors in the main file)."""
+    if payload.get("rank_local_keys"):
+        return [list(keys) for keys in payload["rank_local_keys"]]
+    return [sorted(d) for d in payload.get("rank_local") or []]
+
+
+def _own_tensors(payload: dict[str, Any], per_dp: dict[str, dict], name: str, dp_rank: int) -> dict[str, torch.Tensor]:
+    if payload.get("rank_local"):  # older checkpoints: every dp rank's tensors in the main file
+        return payload["rank_local"][dp_rank]
+    if name not in per_dp:
+        raise CorruptCheckpointError(f"{name} is missing; the checkpoint is incomplete")
+    return per_dp[name]["rank_local"]
+
+
 def _split_over_dp(topo: Topology, flat: FlatState, distributed_optimizer: bool) -> set[str]:
     """Keys whose data-parallel ranks hold different boxes (ZeRO, FSDP), so dp rank 0 alone cannot write them.
 
-    They are gathered over dp into ``distrib_optim.pt`` as pieces. Collective over the
+    Each dp rank writes its pieces of them into its own file (:func:`dp_file`). Collective over the
     dp group; every dp rank gets the same answer.
     """
     split = {k for k in flat.tensors if distributed_optimizer and k.startswith(OPTIM_PREFIX)}
@@ -178,9 +244,13 @@ def _read(storage: Storage, path: str) -> dict[str, Any]:
 
 
 def _rank_local_plan(
-    ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata, payload: dict, shared: set[str], where: str
+    ctx: FormatContext,
+    flat: FlatState,
+    meta: CheckpointMetadata,
+    per_dp_rank: list[list[str]],
+    shared: set[str],
+    where: str,
 ) -> rank_local.RankLocalPlan:
-    per_dp_rank = payload.get("rank_local") or []
     same_layout = meta.topology["dp"] == ctx.topology.dp_size  # tp and pp were checked already
     return rank_local.resolve(
         flat,

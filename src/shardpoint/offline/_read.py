@@ -18,7 +18,7 @@ from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.formats.base import read_torch_file
 from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_reader
-from shardpoint.formats.torch_format import DISTRIB_OPTIM_FILE, MAIN_FILE
+from shardpoint.formats.torch_format import MAIN_FILE, dp_files, read_pieces
 from shardpoint.offline._common import (
     Box,
     ProgressFn,
@@ -204,12 +204,10 @@ def _read_torch(storage: Storage, directory: str, meta: CheckpointMetadata, prog
             box = sharding.get(key, {"global_shape": list(tensor.shape), "global_offset": [0] * tensor.dim()})
             assembler.place(key, tensor, box["global_offset"], box["global_shape"], split_box=True)
             held_by.setdefault(key, set()).add(stage)
-        if f"{folder}/{DISTRIB_OPTIM_FILE}" in meta.files:
-            pieces = read_torch_file(storage, storage.join(directory, folder, DISTRIB_OPTIM_FILE), mmap=True)["pieces"]
-            for key, items in pieces.items():
-                for piece in items:
-                    assembler.place(key, piece["tensor"], piece["global_offset"], piece["global_shape"])
-                held_by.setdefault(key, set()).add(stage)
+        for key, items in read_pieces(storage, directory, dp_files(meta.files, folder)).items():
+            for piece in items:
+                assembler.place(key, piece["tensor"], piece["global_offset"], piece["global_shape"])
+            held_by.setdefault(key, set()).add(stage)
         if progress:
             progress("reading", done, len(main_files))
     tensors, boxes = assembler.finish()
@@ -314,6 +312,7 @@ def _torch_boxes(
     storage: Storage, directory: str, meta: CheckpointMetadata
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype, set[Box]]]:
     found: dict[str, tuple[tuple[int, ...], torch.dtype, set[Box]]] = {}
+    pieces_in = {n for n in meta.files if dp_files([n], n.split("/")[0])}
     for name in sorted(meta.files):
         path = storage.join(directory, name)
         if name.endswith("/" + MAIN_FILE):
@@ -323,8 +322,8 @@ def _torch_boxes(
                 shape = tuple(box["global_shape"]) if box else tuple(tensor.shape)
                 offset = tuple(box["global_offset"]) if box else (0,) * tensor.dim()
                 found.setdefault(key, (shape, tensor.dtype, set()))[2].add((offset, tuple(tensor.shape)))
-        elif name.endswith("/" + DISTRIB_OPTIM_FILE):
-            for key, items in read_torch_file(storage, path, mmap=True)["pieces"].items():
+        elif name in pieces_in:
+            for key, items in read_pieces(storage, directory, [name]).items():
                 for piece in items:
                     entry = found.setdefault(key, (tuple(piece["global_shape"]), piece["tensor"].dtype, set()))
                     entry[2].add((tuple(piece["global_offset"]), tuple(piece["tensor"].shape)))
