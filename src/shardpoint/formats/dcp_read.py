@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CorruptCheckpointError
+from shardpoint.parallel import devices
 
-__all__ = ["StreamingReads", "tensor_record"]
+__all__ = ["ReadBuffers", "StreamingReads", "tensor_record"]
 
 _MIN_BUFFER = 4 << 20
 _HEAD = 4096  # enough for the records torch.save writes before a tensor's bytes
@@ -55,6 +56,7 @@ class StreamingReads:
     expected: dict[str, FileRecord] | None = None
     contiguous_items = False
     direct_reads = True  # whole tensors straight into their targets (local files; see _read_item)
+    double_buffered: bool | None = None  # two pinned buffers (ReadBuffers); None: when CUDA is in use
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)  # type: ignore[misc]
@@ -62,6 +64,7 @@ class StreamingReads:
         self.checked: set[str] = set()
 
     def read_data(self, plan: LoadPlan, planner: Any) -> torch.futures.Future:
+        self._device = devices.thread_device()  # reading threads work on the trainer's device
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -82,12 +85,17 @@ class StreamingReads:
         return self.storage_data[item.storage_index]
 
     def _read_files(self, names: list[str], per_file: dict[str, list[ReadItem]], planner: Any) -> None:
-        """One thread's share, through one reused buffer (fresh memory is slow to touch)."""
-        scratch = _Scratch()
-        for name in names:
-            self._read_file(name, per_file[name], planner, scratch)
+        """One thread's share, through reused buffers (fresh memory is slow to touch)."""
+        device = getattr(self, "_device", None)
+        devices.bind(device)
+        scratch = ReadBuffers(double=device is not None if self.double_buffered is None else self.double_buffered)
+        try:
+            for name in names:
+                self._read_file(name, per_file[name], planner, scratch)
+        finally:
+            scratch.drain()
 
-    def _read_file(self, name: str, items: list[ReadItem], planner: Any, scratch: _Scratch) -> None:
+    def _read_file(self, name: str, items: list[ReadItem], planner: Any, scratch: ReadBuffers) -> None:
         places: dict[tuple[int, int], list[ReadItem]] = {}
         for item in items:
             info = self._info(item)
@@ -101,6 +109,7 @@ class StreamingReads:
         with self.fs.create_stream(path, "rb") as stream:  # type: ignore[attr-defined]
             position = 0
             for (offset, length), wanted in sorted(places.items()):
+                scratch.next()  # the other buffer, once the copies out of it are done
                 if digest is not None:
                     _hash_through(stream, digest, scratch.view, offset - position, name)
                 else:
@@ -110,12 +119,13 @@ class StreamingReads:
                 position = offset + length
                 if view is not None and failure is None:
                     try:
-                        self._place(view, wanted, planner)
+                        self._place(view, wanted, planner, scratch)
                     except Exception as exc:  # a damaged item: the checksum names the file below
                         if digest is None:
                             raise
                         failure = exc
             if digest is not None:
+                scratch.next()
                 _hash_through(stream, digest, scratch.view, None, name)
         if digest is not None and record is not None:  # (a digest implies a record)
             if digest.hexdigest() != record.xxh3_64:
@@ -128,7 +138,14 @@ class StreamingReads:
             raise failure
 
     def _read_item(
-        self, stream: Any, length: int, wanted: list[ReadItem], planner: Any, scratch: _Scratch, digest: Any, name: str
+        self,
+        stream: Any,
+        length: int,
+        wanted: list[ReadItem],
+        planner: Any,
+        scratch: ReadBuffers,
+        digest: Any,
+        name: str,
     ) -> memoryview | None:
         """Read one stored item, hashing it; return its bytes, or None when they went straight into the target.
 
@@ -177,8 +194,12 @@ class StreamingReads:
         usable = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
         return target if usable and target.shape == shape and target.numel() > 0 else None
 
-    def _place(self, view: memoryview, items: list[ReadItem], planner: Any) -> None:
-        """Decode one stored item and copy the parts that ``items`` ask for into their targets."""
+    def _place(self, view: memoryview, items: list[ReadItem], planner: Any, scratch: ReadBuffers) -> None:
+        """Decode one stored item and copy the parts that ``items`` ask for into their targets.
+
+        Copies to an accelerator are non-blocking from the (pinned) buffer; the buffer
+        is not reused before they are done (:class:`ReadBuffers`).
+        """
         first = items[0]
         if first.type == LoadItemType.BYTE_IO:
             descriptors = self._info(first).transform_descriptors or ()
@@ -195,7 +216,10 @@ class StreamingReads:
                     f"{self.path}: {item.storage_index.fqn} has shape {tuple(piece.shape)} in its file, "  # type: ignore[attr-defined]
                     f"expected {tuple(target.shape)}"
                 )
-            target.copy_(piece)
+            on_device = target.device.type != "cpu"
+            target.copy_(piece, non_blocking=on_device)
+            if on_device:
+                scratch.copied_to(target.device)
             planner.commit_tensor(item, target)
 
     def _decode(self, view: memoryview, item: ReadItem) -> torch.Tensor:
@@ -249,23 +273,60 @@ def tensor_record(archive: memoryview | _ArchiveEnds) -> tuple[int, int] | None:
     return start, storages[0].file_size
 
 
-class _Scratch:
-    """One reading thread's buffer, reused for every item and grown only for an item read through it.
+class ReadBuffers:
+    """A reading thread's buffers, reused for every item and grown only for an item read through them.
 
-    Items read straight into their targets never need more than a few KiB of it, so
-    loading a large tensor costs no buffer of its size.
+    Items read straight into their targets never need more than a few KiB, so loading
+    a large tensor costs no buffer of its size. With ``double`` (targets on an
+    accelerator) there are two *pinned* buffers: while the device copies one item out
+    of one buffer (non-blocking), the next item is read into the other; :meth:`next`
+    waits for a buffer's copies before it is overwritten. Before, every item went
+    through unpinned memory and a blocking copy.
     """
 
-    def __init__(self) -> None:
-        self.view = memoryview(bytearray(_MIN_BUFFER))
+    def __init__(self, double: bool = False) -> None:
+        self.pinned = double
+        self._views = [self._new(_MIN_BUFFER) for _ in range(2 if double else 1)]
+        self._events: list[list[Any]] = [[] for _ in self._views]
+        self._current = 0
+
+    @property
+    def view(self) -> memoryview:
+        return self._views[self._current]
 
     def at_least(self, size: int, keep: int = 0) -> memoryview:
-        """The buffer, at least ``size`` bytes long; its first ``keep`` bytes stay as they were."""
+        """The current buffer, at least ``size`` bytes long; its first ``keep`` bytes stay as they were."""
         if size > len(self.view):
-            grown = memoryview(bytearray(size))
+            grown = self._new(size)
             grown[:keep] = self.view[:keep]
-            self.view = grown
+            self._views[self._current] = grown
         return self.view
+
+    def next(self) -> None:
+        """Switch to the other buffer (if two), after the device copies out of it are done."""
+        self._current = (self._current + 1) % len(self._views)
+        self._wait(self._current)
+
+    def copied_to(self, device: torch.device) -> None:
+        """A copy out of the current buffer was queued on ``device``: remember it before the buffer is reused."""
+        event = devices.record_event(device)
+        if event is not None:
+            self._events[self._current].append(event)
+
+    def drain(self) -> None:
+        """Wait for every queued copy (the targets are complete, the buffers may go)."""
+        for index in range(len(self._views)):
+            self._wait(index)
+
+    def _wait(self, index: int) -> None:
+        for event in self._events[index]:
+            event.synchronize()
+        self._events[index].clear()
+
+    def _new(self, size: int) -> memoryview:
+        if self.pinned:
+            return memoryview(devices.host_slab(size, pinned=True).numpy())
+        return memoryview(bytearray(size))
 
 
 def _direct_fits(found: tuple[int, int], nbytes: int, head: int, length: int) -> bool:

@@ -2,10 +2,10 @@
 
 A save with ``async_save=True`` does three things in the training step:
 
-1. copies every tensor into host buffers that are **reused across saves** (pinned
-   memory for GPU tensors). Copying into memory that is already mapped costs a
-   fraction of allocating it fresh, where page faults dominate (measured here:
-   1 GiB into a preallocated tensor 0.04 s, a fresh clone 0.27 s);
+1. copies every tensor into one host slab that is **reused across saves** (pinned
+   memory for GPU tensors; :mod:`shardpoint.lifecycle.staging`). Copying into memory
+   that is already mapped costs a fraction of allocating it fresh, where page faults
+   dominate (measured here: 1 GiB into a preallocated tensor 0.04 s, a fresh clone 0.27 s);
 2. starts a background thread that writes those copies and checksums them;
 3. returns.
 
@@ -18,7 +18,6 @@ they never interleave with the trainer's.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable
@@ -28,44 +27,8 @@ from typing import Any
 import torch
 
 from shardpoint.parallel import devices
-from shardpoint.state.train_state import FlatState
 
-__all__ = ["BackgroundWrite", "SnapshotBuffers"]
-
-_RANK_LOCAL = "rank_local:"  # buffer names of rank-local tensors, apart from global keys
-
-
-class SnapshotBuffers:
-    """Host buffers, one per tensor key, reused by every snapshot of the same shapes."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
-
-    def snapshot(self, flat: FlatState) -> FlatState:
-        """A copy of ``flat`` that the trainer may change right after this returns."""
-        tensors = {key: shard.like(self._copy(key, shard.tensor)) for key, shard in flat.tensors.items()}
-        own = {key: self._copy(_RANK_LOCAL + key, t) for key, t in flat.rank_local.items()}
-        devices.synchronize([*(s.tensor for s in flat.tensors.values()), *flat.rank_local.values()])
-        self._drop_unused({*tensors, *(_RANK_LOCAL + key for key in own)})
-        common, per_rank = copy.deepcopy(flat.common), copy.deepcopy(flat.per_rank)
-        return FlatState(tensors, common, per_rank, own, set(flat.shared_if_equal))
-
-    def _copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        source = tensor.detach()
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda)
-            self._buffers[key] = buffer
-        buffer.copy_(source, non_blocking=source.is_cuda)
-        return buffer
-
-    def _drop_unused(self, used: set[str]) -> None:
-        for key in set(self._buffers) - used:
-            del self._buffers[key]
+__all__ = ["BackgroundWrite"]
 
 
 @dataclass

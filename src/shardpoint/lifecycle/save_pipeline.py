@@ -6,9 +6,10 @@ Every rank runs the same sequence (see :mod:`shardpoint.lifecycle.commit` for wh
     checksums its files -> ranks agree on the outcome -> rank 0 writes shardpoint.json,
     renames the directory into place, replaces the tracker -> retention (background)
 
-A synchronous save runs it all in :meth:`SavePipeline.start`. An asynchronous save
-snapshots the state into reused host buffers, runs the writes on a background thread
-(with a process group of its own), and :meth:`SavePipeline.finalize` commits once
+A synchronous save runs it all in :meth:`SavePipeline.start`. Either kind first
+stages device tensors on the host, once, in a reused slab
+(:mod:`shardpoint.lifecycle.staging`); an asynchronous save stages every tensor, runs
+the writes on a background thread (with a process group of its own), and :meth:`SavePipeline.finalize` commits once
 every rank reports its writes done. Deleting old checkpoints never happens inside
 ``save``: it runs on a worker after the commit, and the next commit waits for it.
 
@@ -35,9 +36,10 @@ from shardpoint.errors import StorageError
 from shardpoint.formats import FormatContext
 from shardpoint.formats.base import CheckpointFormat, write_torch_file
 from shardpoint.lifecycle import commit, faults
-from shardpoint.lifecycle.async_save import BackgroundWrite, SnapshotBuffers
+from shardpoint.lifecycle.async_save import BackgroundWrite
 from shardpoint.lifecycle.policy import PreservationPolicy
 from shardpoint.lifecycle.retention import BackgroundRetention
+from shardpoint.lifecycle.staging import HostStaging
 from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
 from shardpoint.state.replicas import check_replicas
@@ -133,7 +135,7 @@ class SavePipeline:
         self.thread_count, self.replica_check_interval = thread_count, replica_check_interval
         self.node, self.mirror = node, mirror
         self.times = SaveTimes()
-        self.buffers = SnapshotBuffers()
+        self.staging = HostStaging()  # one reused host slab (pinned for GPU tensors)
         self._async_group = comm.new_group() if async_save else None
         self._pending: _PendingSave | None = None
         self._saves_started = 0
@@ -167,8 +169,9 @@ class SavePipeline:
         pending.check_replicas = interval > 0 and self._saves_started % interval == 0
         self._saves_started += 1
         pending.attachments = {k: _detached_copy(v) for k, v in (attachments or {}).items()}
+        # device tensors reach the host once, for hashing and writing alike (async: every tensor)
+        pending.flat = self.staging.stage(flat, everything=background)
         if background:
-            pending.flat = self.buffers.snapshot(flat)
             pending.writer = BackgroundWrite(lambda: self._open_and_write(pending, self._async_group)).start()
             self._pending = pending
             return pending.final
