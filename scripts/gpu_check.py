@@ -71,6 +71,40 @@ def _torch_format_round_trip(root: str, device: torch.device) -> None:
         assert torch.equal(_full(fresh)[key], value), key
 
 
+def _zero_torch_format_round_trip(root: str, device: torch.device) -> None:
+    """ZeRO slices on the GPU: each dp rank writes its own file (no slice gathered onto one GPU)."""
+    from shardpoint.demo.optim import DistributedAdamW
+
+    world = dist.get_world_size()
+    topo = sp.Topology(1, 1, world)
+    model = _model(device, 0)
+    opt = DistributedAdamW(model.parameters(), dp_group=topo.dp_group() if world > 1 else None, lr=1e-2)
+    _train(model, opt, device)
+    sp.Checkpointer(root, topology=topo, format="torch").save(2, sp.TrainState(model, opt))
+    fresh = _model(device, 1)
+    fresh_opt = DistributedAdamW(fresh.parameters(), dp_group=topo.dp_group() if world > 1 else None, lr=1e-2)
+    sp.Checkpointer(root, topology=topo).load(sp.TrainState(fresh, fresh_opt))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][name], fresh_opt.state[q][name]), name
+
+
+def _staging_memory(root: str, device: torch.device) -> None:
+    """The async snapshot of GPU tensors: one pinned slab, at most 1.1x the state on the host."""
+    model = _model(device, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, device)
+    state_bytes = sum(t.nbytes for t in model.state_dict().values())
+    state_bytes += sum(t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    topo = sp.Topology(1, 1, dist.get_world_size())
+    with sp.Checkpointer(root, topology=topo, async_save=True) as ckpt:
+        ckpt.save(2, sp.TrainState(model, opt))
+        ratio = ckpt.staging_bytes / state_bytes
+    assert ratio <= 1.1, f"staging holds {ratio:.2f}x the state"
+    if dist.get_rank() == 0:
+        print(f"    staging host memory / state: {ratio:.3f}", flush=True)
+
+
 def main() -> int:
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -84,6 +118,8 @@ def main() -> int:
         "fsdp2 dist sync": lambda: _fsdp2_round_trip(f"{root}/sync", device, False),
         "fsdp2 dist async": lambda: _fsdp2_round_trip(f"{root}/async", device, True),
         "torch format": lambda: _torch_format_round_trip(f"{root}/torch", device),
+        "torch format, ZeRO slices": lambda: _zero_torch_format_round_trip(f"{root}/zero", device),
+        "async staging memory": lambda: _staging_memory(f"{root}/staging", device),
     }
     failed = 0
     for name, check in checks.items():

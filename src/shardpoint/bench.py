@@ -353,8 +353,10 @@ def _worker(rank: int, world: int, port: int, config: dict[str, Any], root: str,
         if phase == "main":
             # first, while no snapshot buffer exists in the process: the memory an async save adds
             peak = float(_peak_rss_during(lambda: m.sp_save(async_save=True).wait()))
+            staging = float(m._ckpts["sp_async"].staging_bytes)  # the slab that snapshot kept
             times = _main_rounds(m, config["repeat"])
             times["async peak extra RSS"] = [peak]
+            times["staging bytes per rank"] = [staging]
             times["bytes per rank"] = [float(_bytes_written(m.path("sp"), rank))]
         else:
             times = _reshard_rounds(m, m.path("sp"), config["repeat"])
@@ -533,6 +535,11 @@ def summarize(directory: str, config: BenchConfig, main: list[dict], reshard: li
     }
     ratios["async peak extra memory / state"] = (
         max(r["async peak extra RSS"][0] for r in main) / state_per_rank,
+        "<=",
+        1.1,
+    )
+    ratios["async staging host memory / state"] = (
+        max(r["staging bytes per rank"][0] / r["state bytes per rank"][0] for r in main),
         "<=",
         1.1,
     )

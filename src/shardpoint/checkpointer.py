@@ -157,6 +157,8 @@ class Checkpointer:
     last_background_seconds = property(lambda self: self._saver.times.last_background_seconds)
     last_save_seconds = property(lambda self: self._saver.times.last_save_seconds)
     total_save_seconds = property(lambda self: self._saver.times.total_save_seconds)
+    # host memory this rank keeps for staging (the async snapshot, GPU tensors of sync saves)
+    staging_bytes = property(lambda self: self._saver.staging.nbytes)
 
     # ----------------------------------------------------------------- saving
     def maybe_save(
