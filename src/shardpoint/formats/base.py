@@ -39,6 +39,9 @@ class FormatContext:
     optimizer_reshard: str = "error"  # per-rank state at another layout: "error" or "reinit" (see rank_local)
     rename: Any = None  # saved key -> current key on load: a mapping or a callable (see naming)
     verify: bool = False  # on load: check the checksums of the files a format checks while reading
+    plan_cache: Any = None  # saves: the format's cache of the last plan (dist: formats.dist_replay), or None
+    for_coordinator: Any = None  # saves: what this rank's save() leaves for the format's finish() on rank 0
+    pending: dict[str, Any] = field(default_factory=dict)  # saves: the format's own state from save() to finish()
 
 
 @dataclass
@@ -61,6 +64,14 @@ class CheckpointFormat(Protocol):
 
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         """Write this rank's part; return its files (relative to ``ctx.directory``) with size and checksum."""
+        ...
+
+    def fingerprint(self, ctx: FormatContext, flat: FlatState) -> str | None:
+        """A digest of this rank's part of the structure, for replaying the last plan (None: never replayed)."""
+        ...
+
+    def finish(self, ctx: FormatContext, parts: list[Any]) -> dict[str, FileRecord]:
+        """Rank 0, after every rank's ``save``: write what needs all of them (``parts``: each ``for_coordinator``)."""
         ...
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:

@@ -49,6 +49,7 @@ from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.formats.dcp_read import StreamingReads
+from shardpoint.formats.dist_replay import fingerprint, write_metadata, write_with_plan
 from shardpoint.parallel import comm
 from shardpoint.state import naming, rank_local
 from shardpoint.state.sharding import Shard
@@ -211,15 +212,28 @@ class HashingFsspecFileSystem(_RecordingStreams, FsspecFileSystem):
 
 
 class _CompleteWrites:
-    """Mixin for DCP writers: fail the save when any write item has no result.
+    """Mixin for DCP writers: fail the save when any write item has no result; keep what DCP decided.
 
     With ``thread_count > 1`` DCP runs extra writer threads whose exceptions are lost:
     their items silently have no storage record and the save "succeeds" without
     them. Every item of this rank's plan must come back written, or the first error
     any writer thread hit (a full disk becomes a StorageError upstream) is raised.
+
+    The final local plan, the write results and (rank 0) the global metadata are kept
+    for :mod:`shardpoint.formats.dist_replay`.
     """
 
+    final_plan: SavePlan | None = None
+    results: list | None = None
+    final_metadata: Metadata | None = None
+    all_results: list | None = None
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        super().finish(metadata, results)  # type: ignore[misc]
+        self.final_metadata, self.all_results = metadata, results
+
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
+        self.final_plan = plan
         future = super().write_data(plan, planner)
         written = {result.index for result in future.value()}
         missing = [item.index.fqn for item in plan.items if item.index not in written]
@@ -228,6 +242,7 @@ class _CompleteWrites:
             if errors:
                 raise errors[0]
             raise CheckpointError(f"{len(missing)} tensor(s) were not written, e.g. {missing[:3]}; nothing committed")
+        self.results = list(future.value())
         return future
 
 
@@ -309,17 +324,33 @@ class DistFormat:
         storage, directory = ctx.storage, ctx.directory
         storage.makedirs(storage.join(directory, "rng"))
         writer = dcp_writer(storage, directory, ctx.thread_count)
-        shards = dict(flat.tensors)
-        shards.update({naming.stored_key(k, rank): rank_local.whole(t) for k, t in flat.rank_local.items()})
+        shards = _shards(flat, rank)
         state_dict = {key: shard.tensor for key, shard in shards.items()}
+        planner = ShardSavePlanner(shards)
+        cache = ctx.plan_cache
         with _dcp_errors(directory), paused_gc():
-            dcp.save(
-                state_dict,
-                storage_writer=writer,
-                planner=ShardSavePlanner(shards),
-                process_group=ctx.process_group or comm.control_group(),
-                no_dist=not comm.initialized(),
-            )
+            if cache is not None and cache.replay:  # the same structure as the last save: no planning
+                results = write_with_plan(writer, planner, state_dict, cache.plan, rank)
+                ctx.for_coordinator = None if results == cache.results else results
+                if ctx.for_coordinator is not None:
+                    cache.captured["results"] = results
+            else:
+                dcp.save(
+                    state_dict,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=ctx.process_group or comm.control_group(),
+                    no_dist=not comm.initialized(),
+                )
+                if cache is not None:
+                    cache.captured.update(
+                        fingerprint=self.fingerprint(ctx, flat),
+                        plan=writer.final_plan,
+                        results=writer.results,
+                        metadata=writer.final_metadata,
+                        all_results=writer.all_results,
+                    )
+        ctx.pending["writer"] = writer
         files = writer.records()
         if flat.per_rank:
             path = storage.join(directory, rng_file(rank))
@@ -327,6 +358,22 @@ class DistFormat:
         if rank == 0:
             files[COMMON_FILE] = write_torch_file(flat.common, storage.join(directory, COMMON_FILE), storage)
         return files
+
+    def fingerprint(self, ctx: FormatContext, flat: FlatState) -> str | None:
+        plan = ShardSavePlanner(_shards(flat, comm.rank())).create_local_plan()
+        return fingerprint(plan, comm.rank(), comm.world_size())
+
+    def finish(self, ctx: FormatContext, parts: list[Any]) -> dict[str, FileRecord]:
+        """Rank 0 of a replayed save: ``.metadata`` from the cached plan and the ranks' changed results."""
+        cache = ctx.plan_cache
+        if cache is None or not cache.replay:
+            return {}  # dcp.save wrote it
+        writer = ctx.pending["writer"]
+        with _dcp_errors(ctx.directory):
+            write_metadata(writer, cache, parts)
+        if any(part is not None for part in parts):  # storage records changed: the next replay starts from these
+            cache.captured.update(metadata=writer.final_metadata, all_results=writer.all_results)
+        return {DCP_METADATA: writer.records()[DCP_METADATA]}
 
     def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
         return sorted(meta.files)
@@ -425,6 +472,13 @@ def _dcp_errors(directory: str, loading: bool = False) -> Iterator[None]:
         raise CorruptCheckpointError(
             f"cannot read {directory} (rank {first_rank}: {type(error).__name__}: {error}); a file is damaged"
         ) from None
+
+
+def _shards(flat: FlatState, rank: int) -> dict[str, Shard]:
+    """What DCP writes for this rank: the global-key shards and the rank-local tensors under this rank's keys."""
+    shards = dict(flat.tensors)
+    shards.update({naming.stored_key(k, rank): rank_local.whole(t) for k, t in flat.rank_local.items()})
+    return shards
 
 
 def _write_item(key: str, shard: Shard) -> WriteItem:

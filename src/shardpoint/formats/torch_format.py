@@ -90,6 +90,12 @@ class TorchFormat:
         files[main_name] = write_torch_file(payload, storage.join(ctx.directory, main_name), storage)
         return files
 
+    def fingerprint(self, ctx: FormatContext, flat: FlatState) -> str | None:
+        return None  # every save gathers over dp anyway; nothing to replay
+
+    def finish(self, ctx: FormatContext, parts: list[Any]) -> dict[str, FileRecord]:
+        return {}
+
     @staticmethod
     def _gather_over_dp(topo: Topology, obj: Any) -> list[Any] | None:
         """Every dp rank's ``obj`` on dp rank 0 of this model-parallel rank (None elsewhere)."""

@@ -35,6 +35,7 @@ from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import StorageError
 from shardpoint.formats import FormatContext
 from shardpoint.formats.base import CheckpointFormat, write_torch_file
+from shardpoint.formats.dist_replay import SavePlanCache
 from shardpoint.lifecycle import commit, faults
 from shardpoint.lifecycle.async_save import BackgroundWrite
 from shardpoint.lifecycle.policy import PreservationPolicy
@@ -42,6 +43,7 @@ from shardpoint.lifecycle.retention import BackgroundRetention
 from shardpoint.lifecycle.staging import HostStaging
 from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
+from shardpoint.state import replicas
 from shardpoint.state.replicas import check_replicas
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import Storage, as_storage_error
@@ -137,6 +139,8 @@ class SavePipeline:
         self.times = SaveTimes()
         self.staging = HostStaging()  # one reused host slab (pinned for GPU tensors)
         self._async_group = comm.new_group() if async_save else None
+        # the last plan, replayed while the structure stays (dist format; node-local saves plan per node)
+        self._plan_cache = SavePlanCache() if fmt.name == "dist" and node is None else None
         self._pending: _PendingSave | None = None
         self._saves_started = 0
         self.owns_dir = node.is_leader if node else comm.rank() == 0  # creates, commits, cleans
@@ -211,32 +215,18 @@ class SavePipeline:
 
     # ------------------------------------------------------------------ steps
     def _open_and_write(self, pending: _PendingSave, group: Any) -> dict[str, Any]:
-        """Collective over ``group``: rank 0 creates the temporary directory, then every rank writes.
+        """Collective over ``group``: compare replicas, rank 0 creates the temporary directory, every rank writes.
 
         Runs on the background thread for async saves, with a group of its own, so the
-        trainer's collectives never interleave with these.
+        trainer's collectives never interleave with these. A save of the structure the
+        last one had does it in one round (:meth:`_start_known`).
         """
-        rank = comm.rank()
         name = self.layout.dir_name(pending.iteration)
-        topo = self.topology
-        scope = (topo.tp_rank, topo.pp_rank) if self.format.name == "torch" else ()  # per-mp-rank files
-        replicas = comm.agree(
-            lambda: check_replicas(pending.flat, group, check_declared=pending.check_replicas, scope=scope),
-            "comparing replicated tensors",
-            group,
-        )
-        pending.needed = replicas.deduplicated_bytes
-        if self.node is not None:  # each node's leader creates its own
-            tmp = self.node.begin(lambda: self._begin(name, pending.needed), group)
+        cache = self._plan_cache
+        if cache is not None and cache.ready:
+            tmp = self._start_known(pending, name, group, cache)
         else:
-            tmp = comm.broadcast(
-                comm.agree(
-                    lambda: self._begin(name, pending.needed) if rank == 0 else None,
-                    "preparing the checkpoint directory",
-                    group,
-                ),
-                group=group,
-            )
+            tmp = self._start_full(pending, name, group)
         pending.ctx = FormatContext(
             self.storage,
             tmp,
@@ -244,35 +234,88 @@ class SavePipeline:
             thread_count=self.thread_count,
             distributed_optimizer=pending.flat.common.get("distributed_optimizer", False),
             process_group=group,
+            plan_cache=cache,
         )
         return self._write_files(pending)
 
-    def _finish(self, pending: _PendingSave, records: Any, error: BaseException | None) -> str:
-        """Collective: agree on the outcome of the writes, then rank 0 commits and starts retention."""
-        rank = comm.rank()
-        tmp = pending.ctx.directory if pending.ctx is not None else None
+    def _start_full(self, pending: _PendingSave, name: str, group: Any) -> str:
+        """Gather every rank's boxes to find and hash the replicas, then rank 0 creates the directory."""
+        self._check_replicas(pending, group)
+        if self.node is not None:  # each node's leader creates its own
+            return self.node.begin(lambda: self._begin(name, pending.needed), group)
+        return comm.from_root(lambda: self._begin(name, pending.needed), "preparing the checkpoint directory", group)
 
-        def outcome() -> Any:
-            if error is not None:
-                raise error
-            return records
+    def _start_known(self, pending: _PendingSave, name: str, group: Any, cache: SavePlanCache) -> str:
+        """One round for a save whose structure is probably the last one's.
 
+        Every rank sends whether its structure is unchanged and its hashes of the boxes
+        the last replica check found shared; rank 0 sends the temporary directory it
+        created (sized from the last save). When every structure is unchanged and the
+        replicas agree, the format replays the last plan; otherwise the full replica
+        check runs and the format plans afresh, into the same directory.
+        """
+        flat, report = pending.flat, cache.shared_boxes
+        checked = report.to_check(pending.check_replicas)
+
+        def local() -> tuple[bool, dict, str | None]:
+            same = self.format.fingerprint(FormatContext(self.storage, "", self.topology), flat) == cache.fingerprint
+            tmp = self._begin(name, cache.needed_bytes) if comm.rank() == 0 else None
+            return same, replicas.hashes_of(flat, checked), tmp
+
+        outcomes = comm.agree_all(local, "starting the save", group)
+        tmp = outcomes[0][2]
         try:
-            records = comm.agree(outcome, "writing checkpoint data")
-            all_records = comm.gather_to(records, 0)
-            seconds = time.perf_counter() - pending.start
-            meta = _metadata(self, pending.iteration, all_records, pending.metrics, pending.extra, seconds)
-            if self.node is not None:  # node parts, no local tracker; the remote commit follows the upload
-                self.node.commit(tmp, pending.final, records, meta, self.preservation)
-            else:
-                comm.agree(
-                    lambda: self._commit(tmp, pending.final, meta, pending.update_tracker) if rank == 0 else None,
-                    "committing the checkpoint",
-                )
+            # every rank decides from the same hashes: the same moves, or the same error everywhere
+            moved = replicas.compare(flat, [o[1] for o in outcomes])
+            cache.replay = all(o[0] for o in outcomes) and not moved
+            pending.needed = cache.needed_bytes
+            if not cache.replay:  # a new structure: its size decides the free space needed
+                self._check_replicas(pending, group)
+                comm.from_root(lambda: self._check_space(name, pending.needed), "checking free space", group)
         except BaseException:
+            if comm.rank() == 0:
+                self.storage.remove(tmp)
+            raise
+        return tmp
+
+    def _check_replicas(self, pending: _PendingSave, group: Any) -> None:
+        """The full replica check (every rank's boxes gathered); what it found is kept for the next save."""
+        topo = self.topology
+        scope = (topo.tp_rank, topo.pp_rank) if self.format.name == "torch" else ()  # per-mp-rank files
+        report = comm.agree(
+            lambda: check_replicas(pending.flat, group, check_declared=pending.check_replicas, scope=scope),
+            "comparing replicated tensors",
+            group,
+        )
+        pending.needed = report.deduplicated_bytes
+        if self._plan_cache is not None:
+            self._plan_cache.captured.update(needed_bytes=report.deduplicated_bytes, shared_boxes=report)
+
+    def _finish(self, pending: _PendingSave, records: Any, error: BaseException | None) -> str:
+        """Collective: every rank's outcome and records to rank 0, which commits; its verdict to every rank.
+
+        Two rounds at any rank count (:func:`~shardpoint.parallel.comm.decide_at_root`); a
+        failure anywhere is raised everywhere and the temporary directory removed.
+        """
+        rank = comm.rank()
+        ctx, cache = pending.ctx, self._plan_cache
+        tmp = ctx.directory if ctx is not None else None
+        try:
+            if self.node is not None:
+                meta = self._finish_on_nodes(pending, records, error)
+            else:
+                part = (records, ctx.for_coordinator if ctx is not None else None)
+                meta = comm.decide_at_root(
+                    part, error, lambda parts: self._commit_all(pending, parts), "writing the checkpoint"
+                ) or _metadata(self, pending.iteration, None, pending.metrics, pending.extra, 0.0)
+        except BaseException:
+            if cache is not None:
+                cache.clear()
             if self.owns_dir and tmp is not None:
                 self.storage.remove(tmp)
             raise
+        if cache is not None:
+            cache.commit()
         if rank == 0 and self.node is None:
             self._retention.start()
         self.times.record(pending.start, meta, pending.final)
@@ -280,6 +323,30 @@ class SavePipeline:
             marker = meta.to_json().encode()
             self.mirror.start(pending.final, list(records), pending.iteration, marker, pending.update_tracker)
         return pending.final
+
+    def _commit_all(self, pending: _PendingSave, parts: list[tuple[dict, Any]]) -> CheckpointMetadata:
+        """Rank 0, once every rank's writes succeeded: the format's last files, the marker, the tracker."""
+        all_records = [records for records, _ in parts]
+        all_records.append(self.format.finish(pending.ctx, [extra for _, extra in parts]))
+        seconds = time.perf_counter() - pending.start
+        meta = _metadata(self, pending.iteration, all_records, pending.metrics, pending.extra, seconds)
+        self._commit(pending.ctx.directory, pending.final, meta, pending.update_tracker)
+        return meta
+
+    def _finish_on_nodes(self, pending: _PendingSave, records: Any, error: BaseException | None) -> CheckpointMetadata:
+        """Node-local saves: each node's leader commits its node's part; the remote commit follows the upload."""
+
+        def outcome() -> Any:
+            if error is not None:
+                raise error
+            return records
+
+        records = comm.agree(outcome, "writing checkpoint data")
+        all_records = comm.gather_to(records, 0)
+        seconds = time.perf_counter() - pending.start
+        meta = _metadata(self, pending.iteration, all_records, pending.metrics, pending.extra, seconds)
+        self.node.commit(pending.ctx.directory, pending.final, records, meta, self.preservation)
+        return meta
 
     def _clean_leftovers_if_unlocked(self) -> None:
         """Remove partial saves of dead jobs, unless a live job owns the directory (its saves are not ours).
@@ -302,13 +369,16 @@ class SavePipeline:
         elif self._lock is None and not self._cleaned:
             commit.clean_leftovers(self.storage, self.root)
         self._cleaned = True
+        self._check_space(name, needed)
+        return commit.begin(self.storage, self.root, name)
+
+    def _check_space(self, name: str, needed: int) -> None:
         free = self.storage.free_bytes(self.root)
         if free is not None and needed > free:
             raise StorageError(
                 f"not enough space to save {name} under {self.root}: about {needed / 1e9:.2f} GB needed, "
                 f"{free / 1e9:.2f} GB free; free space, lower keep_last, or save elsewhere"
             )
-        return commit.begin(self.storage, self.root, name)
 
     def _write_files(self, pending: _PendingSave) -> dict[str, Any]:
         """This rank's files and their records (runs on the background thread for async saves)."""

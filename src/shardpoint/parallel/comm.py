@@ -113,23 +113,70 @@ def agree(step: Callable[[], T], what: str, group: Any = None) -> T:
     type and message); the others raise a CheckpointError naming the failed ranks
     and their first error line.
     """
-    error: BaseException | None = None
-    result: Any = None
+    result, error = _attempt(step)
+    outcomes = all_gather(_summary(error), group)
+    _raise_failures(error, dict(enumerate(outcomes)), what)
+    return result
+
+
+def agree_all(step: Callable[[], T], what: str, group: Any = None) -> list[T]:
+    """:func:`agree`, returning every rank's result of ``step`` (one all-gather carries both)."""
+    result, error = _attempt(step)
+    outcomes = all_gather((_summary(error), None if error else result), group)
+    _raise_failures(error, {r: s for r, (s, _) in enumerate(outcomes)}, what)
+    return [value for _, value in outcomes]
+
+
+def from_root(step: Callable[[], T], what: str, group: Any = None) -> T:
+    """Rank 0 runs ``step``; its result, or its failure raised everywhere, reaches every rank (one broadcast)."""
+    result, error = _attempt(step) if rank() == 0 else (None, None)
+    summary, result = broadcast((_summary(error), None if error else result), group=group)
+    _raise_failures(error, {0: summary}, what)
+    return result
+
+
+def decide_at_root(value: Any, error: BaseException | None, decide: Callable[[list[Any]], T], what: str) -> T | None:
+    """Two rounds at any rank count: every rank's ``value`` (or ``error``) to rank 0, rank 0's verdict to all.
+
+    Rank 0 runs ``decide(values)`` when no rank failed; a failure anywhere, in a
+    rank's own step or in ``decide``, is raised on every rank as :func:`agree` does.
+    Returns ``decide``'s result on rank 0 and None elsewhere. Over the control group.
+    """
+    gathered = gather_to((_summary(error), None if error else value), 0)
+    verdict: dict[int, str | None] = {}
+    result, root_error = None, None
+    if gathered is not None:  # rank 0 (or a single process)
+        verdict = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
+        if not verdict:
+            result, root_error = _attempt(lambda: decide([v for _, v in gathered]))
+            if root_error is not None:
+                verdict = {rank(): _summary(root_error)}
+    verdict = broadcast(verdict)
+    _raise_failures(error or root_error, verdict, what)
+    return result
+
+
+def _attempt(step: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     try:
-        result = step()
+        return step(), None
     except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        error = exc
-    summary = None if error is None else f"{type(error).__name__}: {error}"
-    outcomes = all_gather(summary, group)
+        return None, exc
+
+
+def _summary(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_failures(error: BaseException | None, outcomes: dict[int, str | None], what: str) -> None:
+    """Raise this rank's own ``error``, or a CheckpointError naming the ranks whose outcome is a failure."""
     if error is not None:
         if isinstance(error, CheckpointError):
             raise error
-        raise CheckpointError(f"{what} failed on rank {rank()}: {summary}\n{_short_tb(error)}") from error
-    failed = {r: s for r, s in enumerate(outcomes) if s is not None}
+        raise CheckpointError(f"{what} failed on rank {rank()}: {_summary(error)}\n{_short_tb(error)}") from error
+    failed = {r: s for r, s in outcomes.items() if s is not None}
     if failed:
-        first_rank, first = next(iter(failed.items()))
+        first_rank, first = next(iter(sorted(failed.items())))
         raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}; rank {first_rank}: {first}".rstrip())
-    return result
 
 
 def _short_tb(error: BaseException) -> str:

@@ -36,16 +36,26 @@ from shardpoint.errors import ReplicaMismatchError
 from shardpoint.parallel import comm
 from shardpoint.state.train_state import FlatState
 
-__all__ = ["ReplicaReport", "check_replicas", "fingerprint"]
+__all__ = ["ReplicaReport", "check_replicas", "compare", "fingerprint", "hashes_of"]
 
 _Box = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # key, offset, shape, scope
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplicaReport:
-    """What :func:`check_replicas` found: the bytes the whole job writes, each shared box once."""
+    """What :func:`check_replicas` found: the bytes the whole job writes, each shared box once.
+
+    ``shared`` are the boxes several ranks hold, ``always`` those of them that are
+    ``shared_if_equal`` values (hashed at every save). A later save of the same
+    structure hashes them again without gathering the boxes (:func:`hashes_of`, :func:`compare`).
+    """
 
     deduplicated_bytes: int
+    shared: frozenset = frozenset()
+    always: frozenset = frozenset()
+
+    def to_check(self, check_declared: bool) -> frozenset:
+        return self.shared if check_declared else self.always
 
 
 def fingerprint(tensor: torch.Tensor) -> tuple[str, int]:
@@ -84,21 +94,42 @@ def check_replicas(
             sizes[box] = nbytes
             if shared_if_equal:
                 always.add(box)
-    report = ReplicaReport(sum(sizes.values()) + sum(extra for _, extra in gathered))
+    shared = frozenset(box for box, ranks in holders.items() if len(ranks) > 1)
+    report = ReplicaReport(sum(sizes.values()) + sum(extra for _, extra in gathered), shared, shared & always)
     # decided from gathered data only, so every rank takes the same branch (the next all-gather)
-    checked = {box for box, ranks in holders.items() if len(ranks) > 1 and (check_declared or box in always)}
-    if not checked:
-        return report
-    mine = {box: fingerprint(flat.tensors[box[0]].tensor) for box in boxes.values() if box in checked}
-    hashes = comm.all_gather(mine, group)
+    checked = report.to_check(check_declared)
+    if checked:
+        compare(flat, comm.all_gather(hashes_of(flat, checked, scope), group))
+    return report
+
+
+def hashes_of(flat: FlatState, boxes: frozenset, scope: tuple[int, ...] = ()) -> dict[_Box, tuple[str, int]]:
+    """This rank's hashes of the ``boxes`` it holds."""
+    found = {}
+    for key, shard in flat.tensors.items():
+        box = _box(key, shard, scope)
+        if box in boxes:
+            found[box] = fingerprint(shard.tensor)
+    return found
+
+
+def compare(flat: FlatState, hashes: Iterable[dict[_Box, tuple[str, int]]]) -> set[str]:
+    """Given every rank's hashes: move disagreeing ``shared_if_equal`` values to ``rank_local``; returns them.
+
+    Every rank decides from the same gathered hashes, so all move the same keys.
+
+    Raises:
+        ReplicaMismatchError: a declared replica differs between ranks.
+    """
     disagreements = _disagreements(hashes)
     movable = {key for key in disagreements if key in flat.shared_if_equal}
     for key in movable:
-        flat.rank_local[key] = flat.tensors.pop(key).tensor
+        if key in flat.tensors:
+            flat.rank_local[key] = flat.tensors.pop(key).tensor
     declared = {key: groups for key, groups in disagreements.items() if key not in movable}
     if declared:
         raise ReplicaMismatchError(declared)
-    return report
+    return movable
 
 
 def _disagreements(hashes: Iterable[dict[_Box, tuple[str, int]]]) -> dict[str, list[list[int]]]:

@@ -1,0 +1,131 @@
+"""Saves of an unchanged structure replay the last save's DCP plan: no planning, no DCP collectives.
+
+``dcp.save`` plans every save from scratch: every rank sends its local plan to rank 0,
+rank 0 deduplicates and validates ranks × tensors items and scatters the plans back,
+and after the writes rank 0 gathers every item's storage record to write
+``.metadata``. At 4096 ranks that is tens of seconds on rank 0 and hundreds of MB of
+plans, at *every* save, although a training job saves the same structure again and
+again (Megatron-LM's ``--ckpt-assume-constant-structure`` exists for this).
+
+A :class:`SavePlanCache` keeps, on every rank, what the last full ``dcp.save``
+decided for it (the final local plan, which assigns each replicated box to one
+writer) and its write results; rank 0 keeps the global :class:`Metadata`. The next
+save of the same structure:
+
+1. agrees that every rank's :func:`fingerprint` is unchanged, inside the save's
+   start round (:mod:`shardpoint.lifecycle.save_pipeline`), so nothing extra is exchanged;
+2. writes this rank's items with the cached plan (:func:`write_with_plan`), exactly as
+   DCP would have, without a collective;
+3. sends rank 0 its write results only if they differ from the cached ones (``None``
+   otherwise), inside the commit round; rank 0 writes ``.metadata`` from the cached
+   metadata (:func:`write_metadata`), rebuilding its storage records only when some
+   rank's changed.
+
+A changed structure (a new parameter, a reshaped tensor, optimizer state that
+appeared, a new ``RankLocal``) changes the fingerprint of some rank, and that save
+runs the full ``dcp.save`` and refills the cache. The cache is trusted only after a
+committed save; a failed one empties it on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+__all__ = ["SavePlanCache", "fingerprint", "write_metadata", "write_with_plan"]
+
+_METADATA = ".metadata"
+
+
+@dataclass
+class SavePlanCache:
+    """What the last committed full save decided, per rank (and the global metadata on rank 0).
+
+    ``replay`` is decided collectively by the save pipeline for the save in progress;
+    ``captured`` holds what a full save just produced, promoted by :meth:`commit`.
+    """
+
+    fingerprint: str | None = None
+    plan: SavePlan | None = None
+    results: list[WriteResult] | None = None
+    metadata: Metadata | None = None  # rank 0: the global metadata, storage records filled in
+    all_results: list[list[WriteResult]] | None = None  # rank 0
+    needed_bytes: int = 0  # the job's deduplicated size, for the free-space check
+    shared_boxes: Any = None  # the replicated boxes found by the last full replica check
+    replay: bool = False
+    captured: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return self.fingerprint is not None
+
+    def commit(self) -> None:
+        """The save committed: what it captured becomes the cache (every rank calls this at the same point)."""
+        for name, value in self.captured.items():
+            setattr(self, name, value)
+        self.captured = {}
+        self.replay = False
+
+    def clear(self) -> None:
+        """The save failed: plan the next one from scratch."""
+        self.__init__()  # type: ignore[misc]
+
+
+def fingerprint(plan: SavePlan, rank: int, world: int) -> str:
+    """A digest of a rank's local save plan: which boxes of which tensors, with shape and dtype."""
+    digest = xxhash.xxh3_128()
+    digest.update(f"{rank}/{world}".encode())
+    for item in plan.items:
+        data = item.tensor_data
+        spec = (
+            item.index.fqn,
+            tuple(item.index.offset or ()),
+            item.type.value,
+            None if data is None else (tuple(data.chunk.offsets), tuple(data.chunk.sizes), tuple(data.size)),
+            None if data is None else str(data.properties.dtype),
+        )
+        digest.update(repr(spec).encode())
+    return digest.hexdigest()
+
+
+def write_with_plan(writer: Any, planner: Any, state_dict: dict[str, Any], plan: SavePlan, rank: int) -> list:
+    """Write this rank's items as ``plan`` (a cached final local plan) says; no collective."""
+    writer.reset()
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    planner.set_up_planner(state_dict, None, rank == 0)
+    writer.prepare_local_plan(planner.create_local_plan())  # creates the directory, as in dcp.save
+    final = planner.finish_plan(plan)
+    return list(writer.write_data(final, planner).value())
+
+
+def write_metadata(writer: Any, cache: SavePlanCache, gathered: list[list[WriteResult] | None]) -> None:
+    """Rank 0: ``.metadata`` of a replayed save; ``gathered[r]`` is None where rank r's results are unchanged."""
+    assert cache.metadata is not None and cache.all_results is not None
+    if all(results is None for results in gathered):
+        metadata = copy.copy(cache.metadata)  # storage records as they were: nothing to rebuild
+        metadata.storage_meta = writer.storage_meta()
+        _write(writer, metadata)
+        return
+    all_results = [cached if new is None else new for new, cached in zip(gathered, cache.all_results)]
+    writer.finish(copy.copy(cache.metadata), all_results)
+
+
+def _write(writer: Any, metadata: Metadata) -> None:
+    """What DCP's ``finish`` does after filling the storage records: a durable ``.metadata``, then renamed."""
+    tmp = writer.fs.concat_path(writer.path, _METADATA + ".tmp")
+    with writer.fs.create_stream(tmp, "wb") as stream:
+        pickle.dump(metadata, stream)
+        if getattr(writer, "sync_files", False):
+            os.fsync(stream.fileno())
+    final = writer.fs.concat_path(writer.path, _METADATA)
+    if writer.fs.exists(final):
+        writer.fs.rm_file(final)
+    writer.fs.rename(tmp, final)
