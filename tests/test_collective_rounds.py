@@ -20,9 +20,9 @@ from shardpoint.state.train_state import collect
 from tests import toy
 from tests.distributed import launch
 
-# documented in the README: a save of an unchanged structure (start round + commit's two)
+# documented in the README: a save of an unchanged structure (start round + the commit's two); a load (four rounds)
 SAVE_CALLS = 9
-LOAD_CALLS = 40
+LOAD_CALLS = 12
 
 _NAMES = (
     "broadcast_object_list",

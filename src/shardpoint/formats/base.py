@@ -78,8 +78,8 @@ class CheckpointFormat(Protocol):
         """Fill ``flat.tensors`` in place and return the rest (every rank calls this)."""
         ...
 
-    def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
-        """The files this rank reads on load, for checksum verification before reading."""
+    def files_read_by_all(self, meta: CheckpointMetadata) -> list[str]:
+        """The files some rank of the job reads on load (the same list on every rank, so nothing is gathered)."""
         ...
 
     def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:

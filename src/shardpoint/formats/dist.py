@@ -375,7 +375,7 @@ class DistFormat:
             cache.captured.update(metadata=writer.final_metadata, all_results=writer.all_results)
         return {DCP_METADATA: writer.records()[DCP_METADATA]}
 
-    def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
+    def files_read_by_all(self, meta: CheckpointMetadata) -> list[str]:
         return sorted(meta.files)
 
     def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:
@@ -383,32 +383,48 @@ class DistFormat:
         return {name for name in meta.files if name.endswith(".distcp")}
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
+        """Two rounds at any rank count: one to agree on the plan, one on the outcome of the reads.
+
+        A load needs no central planning (DCP's global load plan is every rank's own
+        plan unchanged), so each rank runs DCP's reader and planner by itself
+        (``dcp.load(no_dist=True)``) and DCP's own plan gather, scatter and read
+        all-gather are not made; the outcome round raises any rank's failure everywhere.
+        """
         expected = {n: meta.files[n] for n in self.checksummed_while_reading(meta)} if ctx.verify else None
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items)
-        metadata = comm.agree(reader.read_metadata, "reading DCP metadata")
-        targets, plan = comm.agree(lambda: self._targets(ctx, flat, meta, metadata), "placing per-rank state")
-        missing, unexpected = _compare_keys(targets, metadata, ctx.directory)
-        # one rank's mismatch (a pipeline stage's layer) must stop every rank before DCP's collectives
-        comm.agree(lambda: _check_shapes(targets, metadata, meta, ctx), "checking tensor shapes")
-        present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
-        with _dcp_errors(ctx.directory, loading=True), paused_gc():
-            dcp.load(
-                {k: s.tensor for k, s in present.items()},
-                storage_reader=reader,
-                planner=ShardLoadPlanner(present, ctx.directory),
-                process_group=comm.control_group(),
-                no_dist=not comm.initialized(),
-            )
+        local: dict[str, Any] = {}
+
+        def prepare() -> list[str]:
+            local["metadata"] = metadata = reader.read_metadata()
+            local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, metadata)
+            _check_shapes(targets, metadata, meta, ctx)
+            return sorted(targets)
+
+        # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
+        wanted = set().union(*comm.agree_all(prepare, "preparing the load"))
+        metadata, targets, plan = local["metadata"], local["targets"], local["plan"]
+        saved = set(metadata.state_dict_metadata)
+        missing, unexpected = sorted(wanted - saved), unexpected_keys(saved, wanted)
+        present = {k: s for k, s in targets.items() if k in saved}
+        common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
+
+        def read() -> list[str]:
+            with _dcp_errors(ctx.directory, loading=True), paused_gc():
+                dcp.load(
+                    {k: s.tensor for k, s in present.items()},
+                    storage_reader=reader,
+                    planner=ShardLoadPlanner(present, ctx.directory),
+                    no_dist=True,
+                )
+            local["common"] = read_torch_file(ctx.storage, common_path)
+            local["per_rank"] = self._per_rank(ctx, meta)
+            return sorted(reader.checked)
+
+        checked = set().union(*comm.agree_all(read, "reading the checkpoint"))
         rank_local.reinitialise(plan)
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(list(plan.reinit), ctx.directory)
-        # a read failing on one rank must stop every rank before the next collective
-        common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
-        common, per_rank = comm.agree(
-            lambda: (read_torch_file(ctx.storage, common_path), self._per_rank(ctx, meta)),
-            "reading common and per-rank state",
-        )
-        return Loaded(common, per_rank, missing, unexpected, checked=reader.checked)
+        return Loaded(local["common"], local["per_rank"], missing, unexpected, checked=checked)
 
     @staticmethod
     def _targets(
@@ -467,11 +483,17 @@ def _dcp_errors(directory: str, loading: bool = False) -> Iterator[None]:
     except CheckpointException as exc:
         failures = sorted(exc.failures.items(), key=lambda item: item[0])
         first_rank, (error, _) = failures[0]
-        if not loading or isinstance(error, (CheckpointError, OSError)):
-            raise error from None
-        raise CorruptCheckpointError(
-            f"cannot read {directory} (rank {first_rank}: {type(error).__name__}: {error}); a file is damaged"
-        ) from None
+        _reraise(error, directory, loading, first_rank)
+    except Exception as exc:  # noqa: BLE001 - single-rank DCP calls (no_dist) raise the error itself
+        _reraise(exc, directory, loading, comm.rank())
+
+
+def _reraise(error: BaseException, directory: str, loading: bool, rank: int) -> None:
+    if not loading or isinstance(error, (CheckpointError, OSError)):
+        raise error from None
+    raise CorruptCheckpointError(
+        f"cannot read {directory} (rank {rank}: {type(error).__name__}: {error}); a file is damaged"
+    ) from None
 
 
 def _shards(flat: FlatState, rank: int) -> dict[str, Shard]:
@@ -492,14 +514,6 @@ def _write_item(key: str, shard: Shard) -> WriteItem:
             size=torch.Size(shard.global_shape),
         ),
     )
-
-
-def _compare_keys(shards: dict[str, Shard], metadata: Metadata, where: str) -> tuple[list[str], list[str]]:
-    """Keys missing from the checkpoint (any rank) and saved keys no rank asked for."""
-    local = set(shards)
-    wanted = set().union(*comm.all_gather(sorted(local)))
-    saved = set(metadata.state_dict_metadata)
-    return sorted(wanted - saved), unexpected_keys(saved, wanted)
 
 
 def _check_shapes(shards: dict[str, Shard], metadata: Metadata, meta: CheckpointMetadata, ctx: FormatContext) -> None:

@@ -32,7 +32,7 @@ from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.parallel import comm
-from shardpoint.parallel.topology import Topology, mp_rank_name
+from shardpoint.parallel.topology import Topology
 from shardpoint.state import naming, rank_local
 from shardpoint.state.sharding import Shard, copy_overlap
 from shardpoint.state.train_state import OPTIM_PREFIX, FlatState
@@ -104,9 +104,8 @@ class TorchFormat:
         dp_root = topo.rank_of(tp=topo.tp_rank, pp=topo.pp_rank, dp=0)
         return comm.gather_to(obj, dp_root, topo.dp_group())
 
-    def files_to_read(self, ctx: FormatContext, meta: CheckpointMetadata) -> list[str]:
-        folder = mp_rank_name(ctx.topology.tp_rank, ctx.topology.pp_rank, meta.topology["pp"])
-        return sorted(name for name in meta.files if name.startswith(folder + "/"))
+    def files_read_by_all(self, meta: CheckpointMetadata) -> list[str]:
+        return sorted(name for name in meta.files if name.startswith("mp_rank_"))  # same tp/pp: every folder
 
     def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:
         return set()  # torch.load reads each file whole: verified before, in one pass

@@ -166,12 +166,8 @@ class LoadPipeline:
     # ------------------------------------------------------------------ steps
     def _find(self, opts: LoadOptions) -> tuple[str, str, str] | None:
         """Rank 0 decides, everyone receives the one answer: ``(where, directory, marker text)``."""
-        rank = comm.rank()
-        return comm.broadcast(
-            comm.agree(
-                lambda: self.sources.find(opts.iteration, opts.verify and opts.fallback) if rank == 0 else None,
-                "finding the checkpoint",
-            )
+        return comm.from_root(
+            lambda: self.sources.find(opts.iteration, opts.verify and opts.fallback), "finding the checkpoint"
         )
 
     def _open(self, found: tuple[str, str, str], opts: LoadOptions) -> _Opened:
@@ -206,7 +202,7 @@ class LoadPipeline:
         format), split over all ranks.
         """
         fmt, meta = opened.fmt, opened.meta
-        files = sorted(set().union(*comm.all_gather(fmt.files_to_read(opened.ctx, meta))))
+        files = fmt.files_read_by_all(meta)
         streamed = fmt.checksummed_while_reading(meta) if opts.verify else set()
         comm.agree(
             lambda: _verify_share(opened.storage, opened.path, meta, files, opts.verify, streamed),
@@ -296,9 +292,12 @@ def _verify_share(
 def _verify_unread(
     storage: Storage, path: str, meta: CheckpointMetadata, streamed: set[str], checked: set[str]
 ) -> None:
-    """Check the files meant to be checked while reading that no rank read (nothing in them was loaded)."""
+    """Check the files meant to be checked while reading that no rank read (nothing in them was loaded).
+
+    ``checked``: the files any rank checked while reading (the format gathers them).
+    """
     if not streamed:
         return
-    unread = sorted(streamed - set().union(*comm.all_gather(sorted(checked))))
+    unread = sorted(streamed - checked)
     if unread:
         comm.agree(lambda: _verify_share(storage, path, meta, unread, True), "verifying checkpoint files")
