@@ -1,0 +1,308 @@
+"""``shardpoint bench --scale`` and ``--simulate-ranks``: what coordination costs as the job grows.
+
+Three measurements, each against plain DCP in the same run:
+
+- **coordination** (``--scale 2,4,8,16``): a tiny state (10 DTensor ``Shard(0)``
+  parameters per rank), so the time is almost all collectives and planning. Saves
+  and loads of shardpoint and of plain ``dcp.save``/``dcp.load`` are interleaved
+  round by round; the report gives medians of per-round ratios, and the collective
+  calls per save and per load (``torch.distributed``'s functions wrapped, nested calls
+  included). Many ranks on few cores are oversubscribed: that measures coordination.
+- **reads** (with ``--scale``): bytes read by all ranks during one load per stored byte
+  (``/proc/self/io``), at dp=4 and tp=2·dp=2.
+- **planning** (``--simulate-ranks 1024,4096``): in one process, rank 0's part of a
+  save of N ranks × 300 ``Shard(0)`` parameters: DCP's central planning (first save)
+  against what a replayed save does on rank 0 (:mod:`shardpoint.formats.dist_replay`:
+  compare N fingerprints, re-pickle the cached ``.metadata``), with the bytes of the
+  plans rank 0 gathers and of ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import json
+import os
+import pickle
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["coordination", "simulate_planning"]
+
+PARAMS_PER_RANK = 10
+_COLLECTIVES = (
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "barrier",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all",
+)
+
+
+def coordination(ranks: list[int], repeat: int, directory: str) -> list[dict[str, Any]]:
+    """Per rank count: tiny-state save/load seconds and collective calls, shardpoint and plain DCP."""
+    rows = []
+    for world in ranks:
+        out = os.path.join(directory, f"scale-{world}.json")
+        _spawn(_coordination_worker, world, (os.path.join(directory, f"run-{world}"), repeat, out))
+        with open(out) as f:
+            rows.append(json.load(f))
+    return rows
+
+
+def bytes_read_per_stored_byte(directory: str) -> dict[str, float]:
+    """All ranks' bytes read during one load, per byte of the checkpoint, at dp=4 and tp2·dp2."""
+    found = {}
+    for name, tp in (("dp=4", 1), ("tp2·dp2", 2)):
+        out = os.path.join(directory, f"reads-{tp}.json")
+        _spawn(_reads_worker, 4, (os.path.join(directory, f"reads-{tp}"), tp, out))
+        with open(out) as f:
+            found[name] = json.load(f)["ratio"]
+    return found
+
+
+def simulate_planning(counts: list[int], params: int = 300) -> list[dict[str, float]]:
+    """Rank 0's planning of one save at N simulated ranks: DCP's first plan against a replayed save."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from shardpoint.formats.dist_replay import fingerprint
+
+    rows = []
+    for world in counts:
+        plans = [_local_plan(rank, world, params) for rank in range(world)]
+        gathered = len(pickle.dumps(plans))
+        start = time.perf_counter()
+        global_plans, metadata = DefaultSavePlanner().create_global_plan(plans)
+        first = time.perf_counter() - start
+        metadata.storage_data = {
+            item.index: _StorageInfo(f"__{r}_0.distcp", i * 4096, 4096)
+            for r, plan in enumerate(global_plans)
+            for i, item in enumerate(plan.items)
+        }
+        del plans, global_plans
+        local = _local_plan(0, world, params)
+        start = time.perf_counter()
+        digest = fingerprint(local, 0, world)  # every rank does this for itself, in parallel
+        flags = [digest == digest] * world  # rank 0 checks every rank's "unchanged" flag
+        replayed_planning = time.perf_counter() - start
+        assert all(flags)
+        start = time.perf_counter()
+        cached = copy.copy(metadata)
+        pickled = pickle.dumps(cached)
+        rewrite = time.perf_counter() - start
+        rows.append(
+            {
+                "ranks": world,
+                "first save: rank-0 planning s": first,
+                "replayed save: rank-0 planning s": replayed_planning,
+                "replayed save: .metadata pickled s": rewrite,
+                "plans gathered on rank 0 MB (first save)": gathered / 1e6,
+                ".metadata MB": len(pickled) / 1e6,
+            }
+        )
+        del metadata, cached, pickled
+    return rows
+
+
+# ------------------------------------------------------------------ workers
+
+
+def _spawn(fn: Any, world: int, args: tuple) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="spawn")
+
+
+def _init(rank: int, world: int, port: int) -> collections.Counter:
+    import logging
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    logging.disable(logging.INFO)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return _count_collectives()
+
+
+def _count_collectives() -> collections.Counter:
+    import torch.distributed.distributed_c10d as c10d
+
+    calls: collections.Counter = collections.Counter()
+    for name in _COLLECTIVES:
+        original = getattr(dist, name)
+
+        @functools.wraps(original)
+        def counted(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+        setattr(c10d, name, counted)
+    return calls
+
+
+def _tiny_state(world: int) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import shardpoint as sp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = torch.nn.Module()
+    for i in range(PARAMS_PER_RANK):
+        full = torch.randn(world * 64, 16, generator=torch.Generator().manual_seed(i))
+        model.register_parameter(f"p{i}", torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+    return sp.TrainState(model), sp.Topology.from_mesh(mesh)
+
+
+def _coordination_worker(rank: int, world: int, port: int, root: str, repeat: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import shardpoint as sp
+
+    calls = _init(rank, world, port)
+    try:
+        state, topo = _tiny_state(world)
+        tensors = dict(state.model.state_dict())
+        ckpt = sp.Checkpointer(f"{root}/sp", topology=topo, keep_last=2)
+        iteration = [0]
+
+        def sp_save() -> None:
+            iteration[0] += 1
+            ckpt.save(iteration[0], state)
+
+        def sp_load() -> None:
+            sp.Checkpointer(f"{root}/sp", topology=topo).load(state)
+
+        def dcp_save() -> None:
+            dcp.save(tensors, checkpoint_id=f"{root}/dcp")
+
+        def dcp_load() -> None:
+            dcp.load(tensors, checkpoint_id=f"{root}/dcp")
+
+        ops = {"sp save": sp_save, "dcp save": dcp_save, "sp load": sp_load, "dcp load": dcp_load}
+        counts = {}
+        for name, fn in ops.items():  # warm-up; the calls of a warm operation are counted
+            fn()
+            before = sum(calls.values())
+            fn()
+            counts[name] = sum(calls.values()) - before
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for round_index in range(repeat):
+            order = list(ops.items()) if round_index % 2 == 0 else list(ops.items())[::-1]
+            for name, fn in order:
+                times[name].append(_timed(fn))
+        ckpt.close()
+        if rank == 0:
+            row = {"ranks": world, "calls": counts}
+            for what in ("save", "load"):
+                ratios = [a / b for a, b in zip(times[f"sp {what}"], times[f"dcp {what}"])]
+                row[f"{what} s"] = [statistics.median(times[f"sp {what}"]), statistics.median(times[f"dcp {what}"])]
+                row[f"{what} ratio"] = statistics.median(ratios)
+            with open(out, "w") as f:
+                json.dump(row, f)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _timed(fn: Any) -> float:
+    """Seconds of ``fn`` on the slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    took = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
+
+
+def _reads_worker(rank: int, world: int, port: int, root: str, tp: int, out: str) -> None:
+    import shardpoint as sp
+    from shardpoint.catalog.metadata import CheckpointMetadata
+
+    _init(rank, world, port)
+    try:
+        topo = sp.Topology(tp, 1, world // tp)
+        model = torch.nn.Module()
+        for i in range(8):
+            full = torch.randn(256, 256, generator=torch.Generator().manual_seed(i))
+            model.register_parameter(f"w{i}", torch.nn.Parameter(full.chunk(tp)[topo.tp_rank].clone()))
+        state = sp.TrainState(_Sharded(model, topo))
+        sp.Checkpointer(root, topology=topo).save(1, state)
+        before = _rchar()
+        sp.Checkpointer(root, topology=topo).load(state)
+        read = torch.tensor([float(_rchar() - before)])
+        dist.all_reduce(read)
+        if rank == 0:
+            with open(os.path.join(root, "iter_0000001", "shardpoint.json")) as f:
+                meta = CheckpointMetadata.from_json(f.read(), root)
+            with open(out, "w") as f:
+                json.dump({"ratio": float(read) / meta.total_bytes}, f)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class _Sharded(torch.nn.Module):
+    """Parameters split along dim 0 over tp (Megatron's column-parallel), replicated over dp."""
+
+    def __init__(self, inner: torch.nn.Module, topo: Any):
+        super().__init__()
+        self.inner, self.topo = inner, topo
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        import shardpoint as sp
+
+        return {name: sp.column_parallel(p, self.topo) for name, p in self.inner.named_parameters()}
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def _local_plan(rank: int, world: int, params: int) -> Any:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    properties = TensorProperties(dtype=torch.float32)
+    items = []
+    for p in range(params):
+        offset = torch.Size([rank * 64, 0])
+        items.append(
+            WriteItem(
+                index=MetadataIndex(f"model.layers.{p}.weight", offset),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offset, sizes=torch.Size([64, 1024])),
+                    properties=properties,
+                    size=torch.Size([world * 64, 1024]),
+                ),
+            )
+        )
+    return SavePlan(items)
+
+
+if __name__ == "__main__":  # a quick look: python -m shardpoint.commands.scale
+    with tempfile.TemporaryDirectory() as tmp:
+        print(json.dumps(coordination([2], 2, tmp), indent=1))
+        print(json.dumps(bytes_read_per_stored_byte(tmp), indent=1))
+    print(json.dumps(simulate_planning([64]), indent=1))
