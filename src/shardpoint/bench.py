@@ -424,20 +424,42 @@ def add_parser(subparsers: Any) -> None:
         default=1,
         help="retention of shardpoint's saves, part of what is measured (default 1; 0 keeps all)",
     )
+    parser.add_argument(
+        "--scale",
+        type=_counts,
+        default=[],
+        help="instead: coordination vs plain DCP on tiny state at these rank counts (e.g. 2,4,8,16)",
+    )
+    parser.add_argument(
+        "--simulate-ranks",
+        type=_counts,
+        default=[],
+        help="instead: rank-0 planning of one save at these simulated rank counts (e.g. 1024,4096)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
-    parser.set_defaults(
-        func=lambda args: run_bench(
-            BenchConfig(
-                args.size,
-                args.ranks,
-                args.repeat,
-                args.dirs or _default_dirs(),
-                args.json,
-                args.quiet,
-                args.shapes,
-                args.keep_last or None,
-            )
+    parser.set_defaults(func=_run)
+
+
+def _counts(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.scale or args.simulate_ranks:
+        from shardpoint.commands import scale
+
+        return scale.report(args.scale, args.simulate_ranks, args.repeat, args.json, args.quiet)
+    return run_bench(
+        BenchConfig(
+            args.size,
+            args.ranks,
+            args.repeat,
+            args.dirs or _default_dirs(),
+            args.json,
+            args.quiet,
+            args.shapes,
+            args.keep_last or None,
         )
     )
 

@@ -19,7 +19,9 @@ save of the same structure:
 3. sends rank 0 its write results only if they differ from the cached ones (``None``
    otherwise), inside the commit round; rank 0 writes ``.metadata`` from the cached
    metadata (:func:`write_metadata`), rebuilding its storage records only when some
-   rank's changed.
+   rank's changed. Unchanged, the bytes pickled at the first replay are written again:
+   pickling DCP's metadata costs seconds at a thousand ranks (measured: 5.9 s for 50 MB
+   at 1024 simulated ranks × 300 tensors), so it is done once per structure.
 
 A changed structure (a new parameter, a reshaped tensor, optimizer state that
 appeared, a new ``RankLocal``) changes the fingerprint of some rank, and that save
@@ -58,6 +60,7 @@ class SavePlanCache:
     results: list[WriteResult] | None = None
     metadata: Metadata | None = None  # rank 0: the global metadata, storage records filled in
     all_results: list[list[WriteResult]] | None = None  # rank 0
+    metadata_bytes: bytes | None = None  # rank 0: ``.metadata`` as a replay writes it (pickled once)
     needed_bytes: int = 0  # the job's deduplicated size, for the free-space check
     shared_boxes: Any = None  # the replicated boxes found by the last full replica check
     replay: bool = False
@@ -109,20 +112,23 @@ def write_with_plan(writer: Any, planner: Any, state_dict: dict[str, Any], plan:
 def write_metadata(writer: Any, cache: SavePlanCache, gathered: list[list[WriteResult] | None]) -> None:
     """Rank 0: ``.metadata`` of a replayed save; ``gathered[r]`` is None where rank r's results are unchanged."""
     assert cache.metadata is not None and cache.all_results is not None
-    if all(results is None for results in gathered):
-        metadata = copy.copy(cache.metadata)  # storage records as they were: nothing to rebuild
-        metadata.storage_meta = writer.storage_meta()
-        _write(writer, metadata)
+    if all(results is None for results in gathered):  # storage records as they were: the same bytes
+        if cache.metadata_bytes is None:
+            metadata = copy.copy(cache.metadata)
+            metadata.storage_meta = None  # DCP's per-save ids; its readers fill in their own
+            cache.metadata_bytes = pickle.dumps(metadata)
+        _write(writer, cache.metadata_bytes)
         return
     all_results = [cached if new is None else new for new, cached in zip(gathered, cache.all_results)]
     writer.finish(copy.copy(cache.metadata), all_results)
+    cache.metadata_bytes = None
 
 
-def _write(writer: Any, metadata: Metadata) -> None:
-    """What DCP's ``finish`` does after filling the storage records: a durable ``.metadata``, then renamed."""
+def _write(writer: Any, data: bytes) -> None:
+    """What DCP's ``finish`` does after pickling: a durable ``.metadata``, written aside, then renamed."""
     tmp = writer.fs.concat_path(writer.path, _METADATA + ".tmp")
     with writer.fs.create_stream(tmp, "wb") as stream:
-        pickle.dump(metadata, stream)
+        stream.write(data)
         if getattr(writer, "sync_files", False):
             os.fsync(stream.fileno())
     final = writer.fs.concat_path(writer.path, _METADATA)
