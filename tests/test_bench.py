@@ -39,3 +39,16 @@ def test_bench_reports_every_measurement_and_target(tmp_path):
     written = report["bytes_written_per_rank"]
     assert len(written) == 2 and all(b >= report["state_bytes_per_rank"] for b in written)
     assert not any((tmp_path / "disk").iterdir())  # the bench cleans up after itself
+
+
+def test_scale_bench_counts_collectives_and_simulates_planning():
+    command = [sys.executable, "-m", "shardpoint.cli", "bench", "--scale", "2", "--simulate-ranks", "16"]
+    out = subprocess.run([*command, "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    (row,) = report["coordination"]
+    assert row["ranks"] == 2 and row["calls"]["sp save"] <= row["calls"]["dcp save"]
+    assert row["save ratio"] > 0 and row["load ratio"] > 0
+    assert set(report["bytes read per stored byte"]) == {"dp=4", "tp2·dp2"}
+    (planning,) = report["planning"]
+    assert planning["ranks"] == 16 and planning["first save: rank-0 planning s"] > 0
