@@ -296,7 +296,7 @@ def _reads_worker(rank: int, world: int, port: int, root: str, tp: int, out: str
         topo = sp.Topology(tp, 1, world // tp)
         model = torch.nn.Module()
         for i in range(8):
-            full = torch.randn(256, 256, generator=torch.Generator().manual_seed(i))
+            full = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(i))
             model.register_parameter(f"w{i}", torch.nn.Parameter(full.chunk(tp)[topo.tp_rank].clone()))
         state = sp.TrainState(_Sharded(model, topo))
         sp.Checkpointer(root, topology=topo).save(1, state)

@@ -57,6 +57,7 @@ class Loaded:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     checked: set[str] = field(default_factory=set)  # files whose checksum this rank checked while reading
+    bytes_read: int = 0  # bytes this rank read from the checkpoint's data files
 
 
 class CheckpointFormat(Protocol):

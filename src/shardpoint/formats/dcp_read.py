@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,6 +63,7 @@ class StreamingReads:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)  # type: ignore[misc]
         self._tensors = metadata.state_dict_metadata
         self.checked: set[str] = set()
+        self.bytes_read = 0  # from the data files, by every reading thread
 
     def read_data(self, plan: LoadPlan, planner: Any) -> torch.futures.Future:
         self._device = devices.thread_device()  # reading threads work on the trainer's device
@@ -106,7 +108,8 @@ class StreamingReads:
         digest = xxhash.xxh3_64() if record is not None and needed >= record.size * _WHOLE_FILE_SHARE else None
         failure: Exception | None = None
         path = self.fs.concat_path(self.path, name)  # type: ignore[attr-defined]
-        with self.fs.create_stream(path, "rb") as stream:  # type: ignore[attr-defined]
+        with self.fs.create_stream(path, "rb") as raw:  # type: ignore[attr-defined]
+            stream = _Counting(raw)
             position = 0
             for (offset, length), wanted in sorted(places.items()):
                 scratch.next()  # the other buffer, once the copies out of it are done
@@ -127,6 +130,8 @@ class StreamingReads:
             if digest is not None:
                 scratch.next()
                 _hash_through(stream, digest, scratch.view, None, name)
+        with _COUNT_LOCK:
+            self.bytes_read += stream.count
         if digest is not None and record is not None:  # (a digest implies a record)
             if digest.hexdigest() != record.xxh3_64:
                 raise CorruptCheckpointError(
@@ -271,6 +276,39 @@ def tensor_record(archive: memoryview | _ArchiveEnds) -> tuple[int, int] | None:
     if start + storages[0].file_size > source.length:
         return None
     return start, storages[0].file_size
+
+
+class _Counting(io.RawIOBase):
+    """A read stream that counts the bytes read through it (``Loaded.bytes_read``)."""
+
+    def __init__(self, raw: Any):
+        super().__init__()
+        self.raw, self.count = raw, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self.raw.readinto(buffer)
+        self.count += n or 0
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.count += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+
+_COUNT_LOCK = threading.Lock()
 
 
 class ReadBuffers:

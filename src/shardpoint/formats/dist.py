@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
+from shardpoint.formats import shared_reads
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.formats.dcp_read import StreamingReads
 from shardpoint.formats.dist_replay import fingerprint, write_metadata, write_with_plan
@@ -318,6 +319,7 @@ class DistFormat:
     """``format="dist"``: sharded, deduplicated, reshardable on load."""
 
     name = "dist"
+    shared_reads = True  # replicas split the reading (formats.shared_reads); False: every rank reads its own
 
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         rank = comm.rank()
@@ -394,37 +396,45 @@ class DistFormat:
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items)
         local: dict[str, Any] = {}
 
-        def prepare() -> list[str]:
+        def prepare() -> tuple[list[str], str]:
             local["metadata"] = metadata = reader.read_metadata()
             local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, metadata)
             _check_shapes(targets, metadata, meta, ctx)
-            return sorted(targets)
+            local["present"] = present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
+            return sorted(targets), shared_reads.signature(present)
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
-        wanted = set().union(*comm.agree_all(prepare, "preparing the load"))
-        metadata, targets, plan = local["metadata"], local["targets"], local["plan"]
-        saved = set(metadata.state_dict_metadata)
+        prepared = comm.agree_all(prepare, "preparing the load")
+        metadata, plan, present = local["metadata"], local["plan"], local["present"]
+        wanted, saved = set().union(*(keys for keys, _ in prepared)), set(metadata.state_dict_metadata)
         missing, unexpected = sorted(wanted - saved), unexpected_keys(saved, wanted)
-        present = {k: s for k, s in targets.items() if k in saved}
+        signatures = [sig for _, sig in prepared]
+        members = shared_reads.replica_group(signatures, comm.rank()) if self.shared_reads else [comm.rank()]
+        owners = shared_reads.assign(_key_files(present, metadata, ctx.directory), members)
+        mine = {k: s for k, s in present.items() if owners[k] == comm.rank()}
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
 
-        def read() -> list[str]:
+        def read() -> tuple[list[str], int]:
             with _dcp_errors(ctx.directory, loading=True), paused_gc():
                 dcp.load(
-                    {k: s.tensor for k, s in present.items()},
+                    {k: s.tensor for k, s in mine.items()},
                     storage_reader=reader,
-                    planner=ShardLoadPlanner(present, ctx.directory),
+                    planner=ShardLoadPlanner(mine, ctx.directory),
                     no_dist=True,
                 )
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
-            return sorted(reader.checked)
+            return sorted(reader.checked), reader.bytes_read
 
-        checked = set().union(*comm.agree_all(read, "reading the checkpoint"))
+        outcomes = comm.agree_all(read, "reading the checkpoint")
+        if self.shared_reads and len(set(signatures)) < len(signatures):  # some replicas split their reads
+            comm.agree(lambda: shared_reads.exchange(present, owners, members), "passing tensors to replicas")
         rank_local.reinitialise(plan)
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(list(plan.reinit), ctx.directory)
-        return Loaded(local["common"], local["per_rank"], missing, unexpected, checked=checked)
+        checked = set().union(*(names for names, _ in outcomes))
+        bytes_read = outcomes[comm.rank()][1]
+        return Loaded(local["common"], local["per_rank"], missing, unexpected, checked=checked, bytes_read=bytes_read)
 
     @staticmethod
     def _targets(
@@ -494,6 +504,20 @@ def _reraise(error: BaseException, directory: str, loading: bool, rank: int) -> 
     raise CorruptCheckpointError(
         f"cannot read {directory} (rank {rank}: {type(error).__name__}: {error}); a file is damaged"
     ) from None
+
+
+def _key_files(present: dict[str, Shard], metadata: Metadata, where: str) -> dict[str, dict[str, int]]:
+    """Per target key, the bytes of the stored items it reads from each file."""
+    planner = ShardLoadPlanner(present, where)
+    planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, False)
+    storage = metadata.storage_data or {}
+    found: dict[str, dict[str, int]] = {key: {} for key in present}
+    for item in planner.create_local_plan().items:
+        info = storage.get(item.storage_index)
+        if info is not None:
+            files = found[item.dest_index.fqn]
+            files[info.relative_path] = files.get(info.relative_path, 0) + info.length
+    return found
 
 
 def _shards(flat: FlatState, rank: int) -> dict[str, Shard]:

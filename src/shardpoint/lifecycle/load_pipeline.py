@@ -64,6 +64,8 @@ class LoadResult:
         finetune: optimizer and RNG were not loaded and the iteration restarts at 0.
         extra: the ``TrainState.extra`` saved with it (e.g. ``consumed_samples``).
         metadata: the parsed ``shardpoint.json``.
+        bytes_read: bytes this rank read from the checkpoint's data files (``dist``: replicas
+            split the reading, so about the checkpoint's size over the job, not per replica).
     """
 
     iteration: int
@@ -73,6 +75,7 @@ class LoadResult:
     extra: dict[str, Any]
     metadata: CheckpointMetadata
     storage: Storage | None = field(default=None, repr=False)  # node-local: valid until the next load or close()
+    bytes_read: int = 0
 
     def read_validation_logits(self) -> Any:
         """What was passed as ``validation_logits`` at save (checksum-verified with the rest), or None."""
@@ -158,6 +161,7 @@ class LoadPipeline:
             dict(loaded.common.get("extra", {})),
             opened.meta,
             opened.storage,
+            loaded.bytes_read,
         )
 
     def close(self) -> None:
