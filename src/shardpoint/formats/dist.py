@@ -396,39 +396,46 @@ class DistFormat:
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items)
         local: dict[str, Any] = {}
 
-        def prepare() -> tuple[list[str], str]:
+        def prepare() -> tuple[list[str], dict]:
             local["metadata"] = metadata = reader.read_metadata()
             local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, metadata)
             _check_shapes(targets, metadata, meta, ctx)
             local["present"] = present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
-            return sorted(targets), shared_reads.signature(present)
+            local["planner"] = planner = ShardLoadPlanner(present, ctx.directory)
+            planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
+            local["items"] = items = planner.create_local_plan().items
+            storage = metadata.storage_data or {}
+            return sorted(targets), {i.storage_index: storage[i.storage_index].length for i in items} if storage else {}
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         prepared = comm.agree_all(prepare, "preparing the load")
         metadata, plan, present = local["metadata"], local["plan"], local["present"]
         wanted, saved = set().union(*(keys for keys, _ in prepared)), set(metadata.state_dict_metadata)
         missing, unexpected = sorted(wanted - saved), unexpected_keys(saved, wanted)
-        signatures = [sig for _, sig in prepared]
-        members = shared_reads.replica_group(signatures, comm.rank()) if self.shared_reads else [comm.rank()]
-        owners = shared_reads.assign(_key_files(present, metadata, ctx.directory), members)
-        mine = {k: s for k, s in present.items() if owners[k] == comm.rank()}
+        shared = self.shared_reads and comm.world_size() > 1 and bool(metadata.storage_data)
+        exchange = (
+            shared_reads.Exchange(local["items"], present, [n for _, n in prepared], metadata) if shared else None
+        )
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
 
         def read() -> tuple[list[str], int]:
             with _dcp_errors(ctx.directory, loading=True), paused_gc():
-                dcp.load(
-                    {k: s.tensor for k, s in mine.items()},
-                    storage_reader=reader,
-                    planner=ShardLoadPlanner(mine, ctx.directory),
-                    no_dist=True,
-                )
+                if exchange is None:
+                    dcp.load(
+                        {k: s.tensor for k, s in present.items()},
+                        storage_reader=reader,
+                        planner=local["planner"],
+                        no_dist=True,
+                    )
+                else:
+                    _read_items(reader, metadata, present, exchange, ctx.directory)
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
             return sorted(reader.checked), reader.bytes_read
 
         outcomes = comm.agree_all(read, "reading the checkpoint")
-        if self.shared_reads and len(set(signatures)) < len(signatures):  # some replicas split their reads
-            comm.agree(lambda: shared_reads.exchange(present, owners, members), "passing tensors to replicas")
+        if exchange is not None and exchange.needed():
+            comm.agree(lambda: exchange.run(local["planner"].resolve_tensor), "passing tensors to other ranks")
         rank_local.reinitialise(plan)
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(list(plan.reinit), ctx.directory)
@@ -506,18 +513,14 @@ def _reraise(error: BaseException, directory: str, loading: bool, rank: int) -> 
     ) from None
 
 
-def _key_files(present: dict[str, Shard], metadata: Metadata, where: str) -> dict[str, dict[str, int]]:
-    """Per target key, the bytes of the stored items it reads from each file."""
-    planner = ShardLoadPlanner(present, where)
-    planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, False)
-    storage = metadata.storage_data or {}
-    found: dict[str, dict[str, int]] = {key: {} for key in present}
-    for item in planner.create_local_plan().items:
-        info = storage.get(item.storage_index)
-        if info is not None:
-            files = found[item.dest_index.fqn]
-            files[info.relative_path] = files.get(info.relative_path, 0) + info.length
-    return found
+def _read_items(reader: Any, metadata: Metadata, present: dict[str, Shard], exchange: Any, where: str) -> None:
+    """This rank's share of a shared load: DCP's reader on the items of the files it was given, no collective."""
+    items, extra = exchange.read_items()
+    targets = {**present, **extra}
+    planner = ShardLoadPlanner(targets, where)
+    planner.set_up_planner({k: s.tensor for k, s in targets.items()}, metadata, False)
+    reader.set_up_storage_reader(metadata, False)
+    reader.read_data(LoadPlan(items), planner).wait()
 
 
 def _shards(flat: FlatState, rank: int) -> dict[str, Shard]:

@@ -1,27 +1,29 @@
-"""Replicas read their share and pass it on: each stored byte is read once per load, not once per replica.
+"""Each stored byte is read once per load: one rank reads each file, the others receive what they need.
 
-Data-parallel replicas load identical tensors. Read independently, a restart at dp=64
-reads the checkpoint 64 times from S3 or the parallel filesystem (Megatron-LM's
-``--ckpt-fully-parallel-load`` and PyTorch's cooperative load planner exist for this).
+Read independently, a restart at dp=64 reads the checkpoint 64 times from S3 or the
+parallel filesystem (Megatron-LM's ``--ckpt-fully-parallel-load`` and PyTorch's
+cooperative load planner exist for this), and every tensor-parallel rank reads the
+norms and biases that all of them hold.
 
-Ranks whose targets are identical (same keys, boxes, shapes and dtypes: a *replica
-group*, found from one signature per rank in the load's planning round) split the
-reading instead:
+In the load's planning round every rank also sends the stored items (DCP's chunks) it
+needs. Then, identically on every rank and without another message:
 
-1. :func:`assign` gives every target key to one member, deterministically from what
-   every member already knows (the checkpoint's metadata and the shared targets), so no
-   message is needed. Keys go with their file: the files are dealt out biggest first to
-   the member with the fewest bytes so far, and a key to the member holding the file
-   with most of its bytes. A member therefore reads whole files, hashing each as it
-   streams (damage is still named by file), and the members read about equal shares.
-2. each member reads only its keys (DCP's reader on that subset);
-3. after every member's reads succeeded (agreed), :func:`exchange` sends each key's
-   tensor from its reader to the other members, point to point on the control group,
-   straight from and into the target tensors: no buffer beyond one host copy of a
-   device tensor at a time.
+1. :func:`plan_reads` gives each file one reader: among the ranks that need the most of
+   its bytes, the one with the fewest bytes so far (biggest files first). Data-parallel
+   replicas therefore deal the files out evenly, and a file goes to a rank that needs
+   most of it. A reader reads its files whole, hashing each as it streams: every byte
+   read is checksummed and damage is still named by file.
+2. each rank reads its files: its own items into its targets, and the whole stored
+   chunk of every item that another rank needs (:meth:`Exchange.read_items`); a chunk
+   that is exactly one of its own targets is read straight into it.
+3. once every rank's reads succeeded (agreed), :meth:`Exchange.run` sends each chunk
+   from its reader to the ranks that need it, point to point on the control group, in
+   one batch in the same order everywhere. A chunk that is exactly a receiver's target
+   lands in it directly; otherwise in a chunk-sized buffer whose overlap is copied in.
 
-A rank alone in its group (tensor- or pipeline-parallel peers, a resharded load with
-no identical peer) reads as before.
+Memory: beyond its own state a rank holds the chunks it reads for others that it does
+not hold itself, and the chunks it receives only in part (resharding); for replicas
+neither exists. GPU targets go through host copies (the control group is gloo).
 """
 
 from __future__ import annotations
@@ -31,80 +33,141 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
 
-__all__ = ["assign", "exchange", "replica_group", "signature"]
+__all__ = ["Exchange", "plan_reads"]
+
+_PEER = "__shardpoint_peer__/"  # target keys of chunks read for other ranks
 
 
-def signature(targets: Mapping[str, Shard]) -> str:
-    """A digest of what a rank reads: every target's key, box, shape and dtype."""
-    digest = xxhash.xxh3_128()
-    for key in sorted(targets):
-        shard = targets[key]
-        digest.update(repr((key, shard.global_offset, tuple(shard.tensor.shape), str(shard.tensor.dtype))).encode())
-    return digest.hexdigest()
+def plan_reads(needs: Sequence[Mapping[MetadataIndex, int]], files: Mapping[MetadataIndex, str]) -> dict[str, int]:
+    """The reader of each file. ``needs[r]``: stored item -> its bytes, for what rank r reads."""
+    wanted: dict[str, dict[int, int]] = {}  # file -> rank -> bytes of it the rank needs
+    for rank, items in enumerate(needs):
+        for index, nbytes in items.items():
+            per_rank = wanted.setdefault(files[index], {})
+            per_rank[rank] = per_rank.get(rank, 0) + nbytes
+    size = {name: max(per_rank.values()) for name, per_rank in wanted.items()}
+    load = [0] * len(needs)
+    readers = {}
+    for name in sorted(wanted, key=lambda n: (-size[n], n)):
+        most = max(wanted[name].values())
+        reader = min((r for r, b in wanted[name].items() if b == most), key=lambda r: (load[r], r))
+        readers[name] = reader
+        load[reader] += size[name]
+    return readers
 
 
-def replica_group(signatures: Sequence[str], rank: int) -> list[int]:
-    """The ranks (sorted) whose targets are identical to ``rank``'s."""
-    return [r for r, s in enumerate(signatures) if s == signatures[rank]]
+class Exchange:
+    """One rank's part of a shared load: what it reads, what it sends, what it receives."""
+
+    def __init__(
+        self,
+        items: Sequence[ReadItem],
+        targets: Mapping[str, Shard],
+        needs: Sequence[Mapping[MetadataIndex, int]],
+        metadata: Metadata,
+    ):
+        storage = metadata.storage_data
+        self.rank = comm.rank()
+        self.files = {index: storage[index].relative_path for rank_needs in needs for index in rank_needs}
+        self.readers = plan_reads(needs, self.files)
+        self.needers: dict[MetadataIndex, list[int]] = {}
+        for rank, rank_needs in enumerate(needs):
+            for index in rank_needs:
+                self.needers.setdefault(index, []).append(rank)
+        self.targets, self.metadata = targets, metadata
+        self.mine: dict[MetadataIndex, list[ReadItem]] = {}
+        for item in items:
+            self.mine.setdefault(item.storage_index, []).append(item)
+        self.chunks: dict[MetadataIndex, torch.Tensor] = {}  # what this rank sends, by stored item
+
+    def reader_of(self, index: MetadataIndex) -> int:
+        return self.readers[self.files[index]]
+
+    def read_items(self) -> tuple[list[ReadItem], dict[str, Shard]]:
+        """This rank's reads (its items in its files, whole chunks for others) and the extra targets they fill."""
+        plan, extra = [], {}
+        for index, wanted in self.mine.items():
+            if self.reader_of(index) == self.rank:
+                plan += wanted
+        for index, ranks in sorted(self.needers.items(), key=lambda kv: _order(kv[0])):
+            if self.reader_of(index) != self.rank or ranks == [self.rank]:
+                continue
+            whole = self._whole_target(index)
+            if whole is not None:
+                self.chunks[index] = whole
+                continue
+            sizes, dtype = self._chunk(index)
+            key = f"{_PEER}{len(extra)}"
+            self.chunks[index] = buffer = torch.empty(sizes, dtype=dtype)
+            extra[key] = Shard(buffer, tuple(sizes), tuple(index.offset))
+            zeros = torch.Size([0] * len(sizes))
+            plan.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(key, index.offset), zeros, index, zeros, sizes))
+        return plan, extra
+
+    def needed(self) -> bool:
+        """Whether any rank receives something (every rank gets the same answer)."""
+        return any(any(r != self.reader_of(index) for r in ranks) for index, ranks in self.needers.items())
+
+    def run(self, resolve: Any) -> None:
+        """Send what this rank read for others, receive what others read for it; ``resolve``: item -> target view."""
+        group = comm.control_group()
+        ops, landing = [], []
+        for index, ranks in sorted(self.needers.items(), key=lambda kv: _order(kv[0])):
+            reader = self.reader_of(index)
+            if reader == self.rank:
+                payload = _host(self.chunks[index]) if any(r != self.rank for r in ranks) else None
+                ops += [dist.P2POp(dist.isend, payload, peer, group) for peer in ranks if peer != self.rank]
+            elif self.rank in ranks:
+                whole = self._whole_target(index)
+                if whole is not None and whole.device.type == "cpu":
+                    buffer = whole
+                else:
+                    sizes, dtype = self._chunk(index)
+                    buffer = torch.empty(sizes, dtype=dtype)
+                ops.append(dist.P2POp(dist.irecv, buffer, reader, group))
+                if buffer is not whole:
+                    landing.append((index, buffer))
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        with torch.no_grad():
+            for index, chunk in landing:
+                for item in self.mine[index]:
+                    resolve(item).copy_(narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths))
+
+    def _whole_target(self, index: MetadataIndex) -> torch.Tensor | None:
+        """This rank's target if it is exactly the stored chunk (same box, dtype, contiguous), else None."""
+        wanted = self.mine.get(index, [])
+        if len(wanted) != 1:
+            return None
+        item = wanted[0]
+        sizes, dtype = self._chunk(index)
+        target = self.targets.get(item.dest_index.fqn)
+        if target is None or any(item.storage_offsets) or any(item.dest_offsets) or item.lengths != sizes:
+            return None
+        tensor = target.tensor.detach()
+        usable = tensor.shape == sizes and tensor.dtype == dtype and tensor.is_contiguous()
+        return tensor if usable else None
+
+    def _chunk(self, index: MetadataIndex) -> tuple[torch.Size, torch.dtype]:
+        md = self.metadata.state_dict_metadata[index.fqn]
+        for chunk in md.chunks:
+            if chunk.offsets == index.offset:
+                return chunk.sizes, md.properties.dtype
+        raise KeyError(index)
 
 
-def assign(key_files: Mapping[str, Mapping[str, int]], members: Sequence[int]) -> dict[str, int]:
-    """Which member reads each key; ``key_files[key]`` is ``{file: bytes of the key in it}``.
-
-    Every member computes the same answer from the same inputs.
-    """
-    file_bytes: dict[str, int] = {}
-    for files in key_files.values():
-        for name, size in files.items():
-            file_bytes[name] = file_bytes.get(name, 0) + size
-    load = dict.fromkeys(members, 0)
-    reader_of_file: dict[str, int] = {}
-    for name in sorted(file_bytes, key=lambda n: (-file_bytes[n], n)):
-        member = min(members, key=lambda m: (load[m], m))
-        reader_of_file[name] = member
-        load[member] += file_bytes[name]
-    owners = {}
-    for key, files in key_files.items():
-        biggest = max(sorted(files), key=lambda n: files[n]) if files else None
-        owners[key] = reader_of_file[biggest] if biggest is not None else members[0]
-    return owners
+def _order(index: MetadataIndex) -> tuple:
+    return index.fqn, tuple(index.offset or ())
 
 
-def exchange(targets: Mapping[str, Shard], owners: Mapping[str, int], members: Sequence[int]) -> None:
-    """Send each key this rank read to the other members; receive the rest into this rank's targets.
-
-    Point-to-point over the control group, one batch: every member posts its sends and
-    receives for all keys (in the same sorted order), then waits for all of them.
-    """
-    me = comm.rank()
-    group = comm.control_group()
-    ops, landing = [], []
-    for key in sorted(targets):
-        tensor = targets[key].tensor.detach()
-        if tensor.numel() == 0:
-            continue
-        owner = owners[key]
-        if owner == me:
-            payload = _sendable(tensor)
-            ops += [dist.P2POp(dist.isend, payload, peer, group) for peer in members if peer != me]
-        else:
-            buffer = _sendable(tensor) if tensor.device.type != "cpu" or not tensor.is_contiguous() else tensor
-            ops.append(dist.P2POp(dist.irecv, buffer, owner, group))
-            if buffer is not tensor:
-                landing.append((tensor, buffer))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    with torch.no_grad():
-        for tensor, buffer in landing:
-            tensor.copy_(buffer)
-
-
-def _sendable(tensor: torch.Tensor) -> Any:
+def _host(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with ``tensor``'s values (the control group is gloo)."""
     return tensor.detach().to("cpu").contiguous()
