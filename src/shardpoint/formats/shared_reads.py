@@ -106,7 +106,8 @@ class Exchange:
             sizes, dtype = self._chunk(index)
             key = f"{_PEER}{len(extra)}"
             self.chunks[index] = buffer = torch.empty(sizes, dtype=dtype)
-            extra[key] = Shard(buffer, tuple(sizes), tuple(index.offset))
+            global_shape = tuple(self.metadata.state_dict_metadata[index.fqn].size)
+            extra[key] = Shard(buffer, global_shape, tuple(index.offset))
             zeros = torch.Size([0] * len(sizes))
             plan.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(key, index.offset), zeros, index, zeros, sizes))
         return plan, extra
