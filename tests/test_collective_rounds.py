@@ -8,14 +8,12 @@ issue that asked for this. DCP's plain ``dcp.save`` makes 15 such calls per save
 from __future__ import annotations
 
 import collections
-import functools
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.distributed.distributed_c10d as c10d
 
 import shardpoint as sp
+from shardpoint.commands.scale import count_collectives
 from shardpoint.state.train_state import collect
 from tests import toy
 from tests.distributed import launch
@@ -24,36 +22,12 @@ from tests.distributed import launch
 SAVE_CALLS = 9
 LOAD_CALLS = 15  # 12, and one agreement more when replicas split their reads (this toy state: dp replicas)
 
-_NAMES = (
-    "broadcast_object_list",
-    "all_gather_object",
-    "gather_object",
-    "scatter_object_list",
-    "barrier",
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "all_to_all",
-)
 CALLS: collections.Counter = collections.Counter()
 
 
 def _count_collectives() -> None:
-    for name in _NAMES:
-        original = getattr(dist, name)
-
-        @functools.wraps(original)
-        def counted(*args, _original=original, _name=name, **kwargs):
-            CALLS[_name] += 1
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-        setattr(c10d, name, counted)
+    global CALLS
+    CALLS = count_collectives()
 
 
 def _calls(fn) -> int:

@@ -35,10 +35,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["bytes_read_per_stored_byte", "coordination", "report", "simulate_planning"]
+__all__ = [
+    "COLLECTIVES",
+    "bytes_read_per_stored_byte",
+    "coordination",
+    "count_collectives",
+    "report",
+    "simulate_planning",
+]
 
 PARAMS_PER_RANK = 10
-_COLLECTIVES = (
+COLLECTIVES = (
     "broadcast_object_list",
     "all_gather_object",
     "gather_object",
@@ -192,14 +199,15 @@ def _init(rank: int, world: int, port: int) -> collections.Counter:
     logging.disable(logging.INFO)
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # plain DCP, saved over
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    return _count_collectives()
+    return count_collectives()
 
 
-def _count_collectives() -> collections.Counter:
+def count_collectives() -> collections.Counter:
+    """Wrap ``torch.distributed``'s collectives in this process; the counter counts every call (nested too)."""
     import torch.distributed.distributed_c10d as c10d
 
     calls: collections.Counter = collections.Counter()
-    for name in _COLLECTIVES:
+    for name in COLLECTIVES:
         original = getattr(dist, name)
 
         @functools.wraps(original)
