@@ -218,3 +218,22 @@ def test_stateful_data_loader_resumes_at_the_same_position(tmp_path, fmt):
     for expected, resumed in results:
         assert resumed == expected
     assert results[0][0] != results[1][0]  # per rank: each rank's own position and data
+
+
+def _unnamed_mesh_round_trip(rank, world, root):
+    mesh = init_device_mesh("cpu", (world,))  # no mesh_dim_names, as FSDP2's examples build it
+    model = fully_shard(Net(), mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    topo = sp.Topology.from_mesh(mesh)
+    train(model, opt, topo, range(1, 3))
+    sp.Checkpointer(root, topology=topo).save(2, sp.TrainState(model, opt))
+    fresh = fully_shard(Net(), mesh=mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    sp.Checkpointer(root, topology=topo).load(sp.TrainState(fresh, fresh_opt))
+    return (topo.tp_size, topo.pp_size, topo.dp_size), full_state(model, opt), full_state(fresh, fresh_opt)
+
+
+def test_an_unnamed_1d_mesh_is_data_parallel(tmp_path):
+    for sizes, saved, loaded in launch(_unnamed_mesh_round_trip, 2, str(tmp_path)):
+        assert sizes == (1, 1, 2)
+        _assert_same(saved, loaded)

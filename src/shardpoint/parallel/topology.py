@@ -87,14 +87,21 @@ class Topology:
     def from_mesh(cls, mesh: Any) -> Topology:
         """The topology of a named ``DeviceMesh`` (FSDP2 / DTensor jobs), e.g. names ``("dp", "tp")``.
 
+        An unnamed 1-D mesh (FSDP2's usual ``init_device_mesh("cuda", (world,))``) is data parallel.
+
         ``tp`` and ``pp`` are read by name; the one remaining dimension (``dp``,
         ``fsdp``, ``dp_shard``, ...) is data parallel. torchtitan-style meshes with
         several data-parallel dimensions flatten them into one first (as torchtitan
         does for its ``dp`` mesh).
         """
         names = tuple(mesh.mesh_dim_names or ())
+        if not names and mesh.ndim == 1:  # FSDP2's usual init_device_mesh("cuda", (world,)): data parallel
+            return cls.from_groups(dp_group=mesh.get_group(0))
         if len(names) != mesh.ndim:
-            raise ValueError("Topology.from_mesh needs a mesh with mesh_dim_names, e.g. ('dp', 'tp')")
+            raise ValueError(
+                f"Topology.from_mesh needs the names of a {mesh.ndim}-D mesh's dimensions, e.g. "
+                "init_device_mesh(..., mesh_dim_names=('dp', 'tp')); only a 1-D mesh may be unnamed (data parallel)"
+            )
         data = [n for n in names if n not in ("tp", "pp")]
         if len(data) > 1:
             raise ValueError(
