@@ -61,8 +61,7 @@ class SavePlanCache:
     metadata: Metadata | None = None  # rank 0: the global metadata, storage records filled in
     all_results: list[list[WriteResult]] | None = None  # rank 0
     metadata_bytes: bytes | None = None  # rank 0: ``.metadata`` as a replay writes it (pickled once)
-    needed_bytes: int = 0  # the job's deduplicated size, for the free-space check
-    shared_boxes: Any = None  # the replicated boxes found by the last full replica check
+    replicas: Any = None  # the last full replica check's ReplicaReport: shared boxes, the job's size
     replay: bool = False
     captured: dict[str, Any] = field(default_factory=dict)
 

@@ -254,12 +254,12 @@ class SavePipeline:
         replicas agree, the format replays the last plan; otherwise the full replica
         check runs and the format plans afresh, into the same directory.
         """
-        flat, report = pending.flat, cache.shared_boxes
+        flat, report = pending.flat, cache.replicas
         checked = report.to_check(pending.check_replicas)
 
         def local() -> tuple[bool, dict, str | None]:
             same = self.format.fingerprint(FormatContext(self.storage, "", self.topology), flat) == cache.fingerprint
-            tmp = self._begin(name, cache.needed_bytes) if comm.rank() == 0 else None
+            tmp = self._begin(name, report.deduplicated_bytes) if comm.rank() == 0 else None
             return same, replicas.hashes_of(flat, checked), tmp
 
         outcomes = comm.agree_all(local, "starting the save", group)
@@ -268,7 +268,7 @@ class SavePipeline:
             # every rank decides from the same hashes: the same moves, or the same error everywhere
             moved = replicas.compare(flat, [o[1] for o in outcomes])
             cache.replay = all(o[0] for o in outcomes) and not moved
-            pending.needed = cache.needed_bytes
+            pending.needed = report.deduplicated_bytes
             if not cache.replay:  # a new structure: its size decides the free space needed
                 self._check_replicas(pending, group)
                 comm.from_root(lambda: self._check_space(name, pending.needed), "checking free space", group)
@@ -289,7 +289,7 @@ class SavePipeline:
         )
         pending.needed = report.deduplicated_bytes
         if self._plan_cache is not None:
-            self._plan_cache.captured.update(needed_bytes=report.deduplicated_bytes, shared_boxes=report)
+            self._plan_cache.captured.update(replicas=report)
 
     def _finish(self, pending: _PendingSave, records: Any, error: BaseException | None) -> str:
         """Collective: every rank's outcome and records to rank 0, which commits; its verdict to every rank.
