@@ -10,5 +10,9 @@ stamp=.venv/.shardpoint-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   # the machine's pip config lists local wheel folders that may be absent: hide only those warnings
   .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,demo,s3]" 2>&1 | { grep -v "^WARNING: Location" || true; }
-  .venv/bin/python -c "import torch, shardpoint" && touch "$stamp"
+  # torchtitan's own requirements (datasets, wandb, tensorboard) pin fsspec below what s3fs needs;
+  # the checkpoint manager it tests needs none of them, so take torchtitan alone plus what it imports.
+  .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps torchtitan einops tyro spmd_types \
+    docstring-parser typeguard 2>&1 | { grep -v "^WARNING: Location" || true; }
+  .venv/bin/python -c "import torch, shardpoint, torchtitan.components.checkpointer" && touch "$stamp"
 fi
