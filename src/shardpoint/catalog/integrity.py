@@ -54,6 +54,11 @@ def _crc_setting_is_per_thread() -> bool:
 _CRC_PER_THREAD = _crc_setting_is_per_thread()
 
 
+def crc32_is_per_thread() -> bool:
+    """Whether :func:`without_zip_crc32` takes effect (it does nothing on older torch)."""
+    return _CRC_PER_THREAD
+
+
 @contextmanager
 def without_zip_crc32() -> Iterator[None]:
     """``torch.save`` skips its per-record CRC32 in this thread while the block runs.

@@ -23,7 +23,7 @@ import struct
 import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import xxhash
@@ -35,7 +35,9 @@ from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.parallel import devices
 
-__all__ = ["ReadBuffers", "StreamingReads", "tensor_record"]
+__all__ = ["ReadBuffers", "StreamingReads", "balanced", "tensor_record"]
+
+K = TypeVar("K")
 
 _MIN_BUFFER = 4 << 20
 _HEAD = 4096  # enough for the records torch.save writes before a tensor's bytes
@@ -71,7 +73,7 @@ class StreamingReads:
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         sizes = {name: sum(self._info(item).length for item in items) for name, items in per_file.items()}
-        shares = _balanced(sizes, self.thread_count)
+        shares = balanced(sizes, self.thread_count)
         if len(shares) == 1:
             self._read_files(shares[0], per_file, planner)
         elif shares:
@@ -455,9 +457,9 @@ def _hash_through(stream: Any, digest: Any, buffer: memoryview, count: int | Non
             count -= n
 
 
-def _balanced(sizes: dict[str, int], workers: int) -> list[list[str]]:
-    """File names (with the bytes to read from each) split into at most ``workers`` shares of similar size."""
-    shares: list[list[str]] = [[] for _ in range(max(1, min(workers, len(sizes))))]
+def balanced(sizes: dict[K, int], workers: int) -> list[list[K]]:
+    """Names (files to read, items to write) split by their bytes into at most ``workers`` shares of similar size."""
+    shares: list[list[K]] = [[] for _ in range(max(1, min(workers, len(sizes))))]
     loads = [0] * len(shares)
     for name in sorted(sizes, key=lambda n: -sizes[n]):
         lightest = loads.index(min(loads))

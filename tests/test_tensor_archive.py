@@ -1,0 +1,136 @@
+"""Templated archives and batched writes: what plain ``torch.load`` and ``dcp.load`` read."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint.catalog.integrity import without_zip_crc32
+from shardpoint.formats.tensor_archive import TEMPLATE_MAX_BYTES, archive_parts, templated
+
+
+def _every_kind() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "fp32": torch.randn(7, 5, generator=g),
+        "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(4, 4, generator=g).half(),
+        "fp64": torch.randn(3, generator=g).double(),
+        "int64": torch.arange(11),
+        "int8": torch.randint(-100, 100, (9,), generator=g, dtype=torch.int8),
+        "bool": torch.rand(13, generator=g) > 0.5,
+        "zero_dim": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "transposed": torch.randn(6, 4, generator=g).T.clone(),  # dense, not contiguous
+        "complex": torch.randn(3, dtype=torch.complex64, generator=g),
+    }
+
+
+def _torch_save(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    with without_zip_crc32():  # as DCP's writer streams write (see formats.dist)
+        torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("kind", list(_every_kind()))
+def test_a_templated_archive_is_what_torch_save_writes(kind):
+    tensor = _every_kind()[kind]
+    assert templated(tensor)
+    head, body, tail = archive_parts(tensor)
+    archive = head + bytes(body) + tail
+    assert archive == _torch_save(tensor)
+    back = torch.load(io.BytesIO(archive), weights_only=True)
+    assert torch.equal(back, tensor) and back.dtype == tensor.dtype and back.stride() == tensor.stride()
+    # the template is cached by signature: other values of the same shape are their own bytes
+    other = torch.zeros_like(tensor) if tensor.dtype != torch.bool else ~tensor
+    head, body, tail = archive_parts(other)
+    assert torch.equal(torch.load(io.BytesIO(head + bytes(body) + tail), weights_only=True), other)
+
+
+def test_views_and_large_tensors_are_left_to_torch_save():
+    base = torch.randn(100)
+    assert not templated(base[10:20])  # torch.save writes the whole storage of a view
+    assert not templated(base[:20])
+    assert not templated(torch.nn.Parameter(torch.randn(3)))  # pickled as a Parameter
+    assert not templated(torch.empty(TEMPLATE_MAX_BYTES // 4 + 1))
+
+
+def _state(n: int) -> dict[str, torch.Tensor]:
+    kinds = _every_kind()
+    tensors = {f"{name}_{i}": t + i if t.dtype.is_floating_point else t for i in range(n) for name, t in kinds.items()}
+    tensors["big"] = torch.randn(TEMPLATE_MAX_BYTES // 4 + 7)  # through torch.save, written straight
+    tensors["view"] = torch.randn(50)[5:25]
+    return tensors
+
+
+class _Tensors(torch.nn.Module):
+    """Buffers of every kind; ``sharded_state_dict`` so names and dtypes are kept as given."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.tensors = tensors
+
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
+_PLAIN_DCP = """
+import json, sys, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+path = sys.argv[1]
+meta = FileSystemReader(path).read_metadata()
+state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+         if k.startswith("model.")}
+dcp.load(state, checkpoint_id=path, no_dist=True)
+assert "shardpoint" not in sys.modules
+print(json.dumps({k: int(v.reshape(-1).view(torch.uint8).sum()) for k, v in state.items()}))
+"""
+
+
+def test_many_small_tensors_of_every_dtype_are_read_by_plain_dcp_and_torch_load(tmp_path):
+    tensors = _state(40)
+    ckpt = sp.Checkpointer(str(tmp_path), keep_last=2)
+    for iteration in (1, 2):  # the second save replays the first one's plan
+        ckpt.save(iteration, sp.TrainState(_Tensors(tensors)))
+    ckpt.close()
+    path = tmp_path / "iter_0000002"
+    out = subprocess.run([sys.executable, "-c", _PLAIN_DCP, str(path)], capture_output=True, text=True, check=True)
+    sums = json.loads(out.stdout)
+    assert sums.keys() == {f"model.{k}" for k in tensors}
+    for key, tensor in tensors.items():
+        assert sums[f"model.{key}"] == int(tensor.reshape(-1).view(torch.uint8).sum()), key
+    # every item is a torch.save archive of its own, at the offset .metadata records
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata()
+    for index, info in meta.storage_data.items():
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            item = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+        assert torch.equal(item, tensors[index.fqn.removeprefix("model.")]), index.fqn
+    # and shardpoint loads it back
+    loaded = {k: torch.zeros_like(t) for k, t in tensors.items()}
+    sp.Checkpointer(str(tmp_path)).load(sp.TrainState(_Tensors(loaded)))
+    assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+
+
+def test_a_damaged_byte_in_a_batched_file_is_named(tmp_path):
+    tensors = _state(20)
+    with sp.Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, sp.TrainState(_Tensors(tensors)))
+    files = sorted((tmp_path / "iter_0000001").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    victim = files[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    loaded = {k: torch.zeros_like(t) for k, t in tensors.items()}
+    with pytest.raises(sp.CorruptCheckpointError, match=victim.name):
+        sp.Checkpointer(str(tmp_path)).load(sp.TrainState(_Tensors(loaded)))
