@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CorruptCheckpointError
+from shardpoint.formats.tensor_archive import known_data_offset
 from shardpoint.parallel import devices
 
 __all__ = ["ReadBuffers", "StreamingReads", "balanced", "tensor_record"]
@@ -237,7 +238,8 @@ class StreamingReads:
         if self.contiguous_items:
             shape, dtype = self._chunk(item.storage_index)
             size = shape.numel() * dtype.itemsize
-            found = tensor_record(view)
+            start = known_data_offset(view, dtype, tuple(shape))
+            found = (start, size) if start is not None else tensor_record(view)
             if found is not None and found[1] == size and size > 0:
                 raw = torch.frombuffer(view, dtype=torch.uint8, count=size, offset=found[0])
                 return raw.view(dtype).view(shape)

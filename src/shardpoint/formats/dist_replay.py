@@ -34,15 +34,16 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-__all__ = ["SavePlanCache", "fingerprint", "write_metadata", "write_with_plan"]
+__all__ = ["SavePlanCache", "fingerprint", "fingerprint_of", "item_spec", "write_metadata", "write_with_plan"]
 
 _METADATA = ".metadata"
 
@@ -83,19 +84,28 @@ class SavePlanCache:
 
 def fingerprint(plan: SavePlan, rank: int, world: int) -> str:
     """A digest of a rank's local save plan: which boxes of which tensors, with shape and dtype."""
+    return fingerprint_of(map(item_spec, plan.items), rank, world)
+
+
+def fingerprint_of(specs: Iterable[tuple], rank: int, world: int) -> str:
+    """:func:`fingerprint` of the items :func:`item_spec` describes (built without a plan where that is cheaper)."""
     digest = xxhash.xxh3_128()
     digest.update(f"{rank}/{world}".encode())
-    for item in plan.items:
-        data = item.tensor_data
-        spec = (
-            item.index.fqn,
-            tuple(item.index.offset or ()),
-            item.type.value,
-            None if data is None else (tuple(data.chunk.offsets), tuple(data.chunk.sizes), tuple(data.size)),
-            None if data is None else str(data.properties.dtype),
-        )
+    for spec in specs:
         digest.update(repr(spec).encode())
     return digest.hexdigest()
+
+
+def item_spec(item: WriteItem) -> tuple:
+    """What a write item says of its tensor: key, box, kind, global shape, dtype."""
+    data = item.tensor_data
+    return (
+        item.index.fqn,
+        tuple(item.index.offset or ()),
+        item.type.value,
+        None if data is None else (tuple(data.chunk.offsets), tuple(data.chunk.sizes), tuple(data.size)),
+        None if data is None else str(data.properties.dtype),
+    )
 
 
 def write_with_plan(writer: Any, planner: Any, state_dict: dict[str, Any], plan: SavePlan, rank: int) -> list:
@@ -103,7 +113,7 @@ def write_with_plan(writer: Any, planner: Any, state_dict: dict[str, Any], plan:
     writer.reset()
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
     planner.set_up_planner(state_dict, None, rank == 0)
-    writer.prepare_local_plan(planner.create_local_plan())  # creates the directory, as in dcp.save
+    writer.prepare_local_plan(plan)  # creates the directory, as in dcp.save (the plan is only handed back)
     final = planner.finish_plan(plan)
     return list(writer.write_data(final, planner).value())
 

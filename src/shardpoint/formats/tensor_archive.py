@@ -26,6 +26,7 @@ dwarfs the fixed cost, and whose template would cost a full-size save) is archiv
 from __future__ import annotations
 
 import io
+import math
 import threading
 import zipfile
 from collections import OrderedDict
@@ -62,14 +63,14 @@ class _Templates:
         self._cache: OrderedDict[tuple, Template] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, tensor: torch.Tensor) -> Template:
-        key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    def get(self, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> Template:
+        key = (dtype, shape, stride)
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
                 self._cache.move_to_end(key)
                 return found
-        template = build_template(tensor)
+        template = build_template(dtype, shape, stride)
         with self._lock:
             self._cache[key] = template
             if len(self._cache) > self.capacity:
@@ -80,9 +81,9 @@ class _Templates:
 _TEMPLATES = _Templates()
 
 
-def build_template(tensor: torch.Tensor) -> Template:
-    """Head and tail of ``torch.save`` of zeros shaped and strided like ``tensor``."""
-    zeros = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype).zero_()
+def build_template(dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> Template:
+    """Head and tail of ``torch.save`` of zeros of this dtype, shape and strides."""
+    zeros = torch.empty_strided(shape, stride, dtype=dtype).zero_()
     buffer = io.BytesIO()
     with without_zip_crc32():
         torch.save(zeros, buffer)
@@ -129,5 +130,32 @@ def archive_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview, bytes]:
 
     ``tensor`` must be :func:`templated`.
     """
-    template = _TEMPLATES.get(tensor)
+    template = _TEMPLATES.get(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     return template.head, storage_bytes(tensor), template.tail
+
+
+def known_data_offset(archive: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """Where a contiguous tensor's bytes start in ``archive``, if it is the template's archive.
+
+    The reader's fast path: instead of parsing the zip directory of every item, compare
+    the archive's bytes around the data with the template of the stored dtype and shape.
+    Equal, the archive is exactly what ``torch.save`` writes for such a tensor, so its
+    data lies at ``len(head)``; anything else (an older torch, CRCs kept, a foreign
+    writer) returns None and the caller parses the archive.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > TEMPLATE_MAX_BYTES or not crc32_is_per_thread():
+        return None
+    template = _TEMPLATES.get(dtype, tuple(shape), _contiguous_strides(shape))
+    head, tail = template.head, template.tail
+    if archive.nbytes != template.size(nbytes) or archive[: len(head)] != head:
+        return None
+    return len(head) if archive[archive.nbytes - len(tail) :] == tail else None
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

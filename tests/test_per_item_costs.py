@@ -1,4 +1,8 @@
-"""Templated archives and batched writes: what plain ``torch.load`` and ``dcp.load`` read."""
+"""Per-item costs out of the dist format: templated archives, batched writes, plans without per-item work.
+
+Each fast path must give what the general one gives: the bytes ``torch.save`` writes,
+the read items DCP plans, the fingerprint of the plan.
+"""
 
 from __future__ import annotations
 
@@ -134,3 +138,42 @@ def test_a_damaged_byte_in_a_batched_file_is_named(tmp_path):
     loaded = {k: torch.zeros_like(t) for k, t in tensors.items()}
     with pytest.raises(sp.CorruptCheckpointError, match=victim.name):
         sp.Checkpointer(str(tmp_path)).load(sp.TrainState(_Tensors(loaded)))
+
+
+def test_a_box_saved_as_wanted_is_read_with_the_item_dcp_plans():
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    from shardpoint.formats.dist import ShardLoadPlanner
+
+    def chunk(offsets, sizes):
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    saved = [chunk((0, 0), (4, 6)), chunk((4, 0), (4, 6)), chunk((8, 0), (2, 6))]
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size((10, 6)), saved)
+    scalar = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(()), [chunk((), ())])
+    wanted = {"w": (md, chunk((4, 0), (4, 6))), "s": (scalar, chunk((), ()))}
+    planner = ShardLoadPlanner({}, "here")
+    for key, (meta, box) in wanted.items():
+        tensor = torch.zeros(tuple(box.sizes))
+        planner.shards = {key: sp.Shard(tensor, tuple(meta.size), tuple(box.offsets))}
+        planner.metadata = type("M", (), {"state_dict_metadata": {key: meta}})()
+        assert planner.create_local_plan().items == create_read_items_for_chunk_list(key, meta, [box]), key
+
+
+def test_the_fingerprint_without_a_plan_is_the_plans():
+    from shardpoint.formats.dist import DistFormat, ShardSavePlanner
+    from shardpoint.formats.dist_replay import fingerprint
+    from shardpoint.state.train_state import FlatState
+
+    tensors = {
+        "model.w": sp.Shard(torch.zeros(2, 3), (4, 3), (2, 0)),
+        "model.b": sp.Shard(torch.zeros(3, dtype=torch.bfloat16), (3,), (0,)),
+        "model.empty": sp.Shard(torch.zeros(0, 3), (4, 3), (4, 0)),  # an uneven FSDP piece: not written
+        "optimizer.state.w.step": sp.Shard(torch.tensor(3.0), (), ()),
+    }
+    flat = FlatState(tensors, {}, {}, rank_local={"seen": torch.zeros(5)})
+    shards = {**tensors, "rank_local.00000.seen": sp.Shard(torch.zeros(5), (5,), (0,))}
+    plan = ShardSavePlanner(shards).create_local_plan()
+    assert len(plan.items) == 4
+    assert DistFormat().fingerprint(None, flat) == fingerprint(plan, 0, 1)
