@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import statistics
@@ -29,34 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardpoint.commands.bench_states import SHAPE_PRESETS, preset_state, state_bytes, synthetic_state
 from shardpoint.storage.base import open_storage
 
 __all__ = ["BenchConfig", "add_parser", "parse_size", "run_bench"]
-
-GPT_SHAPES = [("attn.qkv", (3, 1)), ("attn.proj", (1, 1)), ("mlp.fc1", (4, 1)), ("mlp.fc2", (1, 4))]
-
-# One tensor-parallel rank's tensors of a real model (Llama-like: SwiGLU, RMSNorm), per layer:
-# the shapes are those of that rank; the number of layers follows --size.
-SHAPE_PRESETS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
-    "7b-tp8": [
-        ("attn.qkv", (1536, 4096)),
-        ("attn.proj", (4096, 512)),
-        ("mlp.fc1", (2752, 4096)),
-        ("mlp.fc2", (4096, 1376)),
-        ("input_norm", (4096,)),
-        ("post_attn_norm", (4096,)),
-    ],
-    "1b-tp2": [
-        ("attn.qkv", (3072, 2048)),
-        ("attn.proj", (2048, 1024)),
-        ("mlp.fc1", (5632, 2048)),
-        ("mlp.fc2", (2048, 2816)),
-        ("input_norm", (2048,)),
-        ("post_attn_norm", (2048,)),
-    ],
-    # equal 8 MiB tensors (weight and moments): 512 MiB is 64 tensors, a rank with few, large tensors
-    "uniform-8mib": [("block", (1024, 2048))],
-}
 
 
 @dataclass
@@ -79,49 +54,6 @@ def parse_size(text: str) -> int:
     if (match.group(3) or "").lower() == "ib":
         unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[match.group(2).upper()]
     return int(float(match.group(1)) * unit)
-
-
-# ------------------------------------------------------------------ the state
-def synthetic_state(total_bytes: int, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """This rank's shard of a GPT-like model's weights and Adam moments (fp32).
-
-    The shapes depend on ``total_bytes`` only, so checkpoints written by ``world``
-    ranks and by ``world // 2`` ranks hold the same global tensors.
-    """
-    elements_per_h2 = sum(a * b for _, (a, b) in GPT_SHAPES)
-    hidden = next((h for h in (512, 256, 128) if elements_per_h2 * h * h * 12 <= total_bytes / 2), 64)
-    layers = max(1, round(total_bytes / (elements_per_h2 * hidden * hidden * 12)))
-    gen = torch.Generator().manual_seed(rank)
-    state: dict[str, torch.Tensor] = {}
-    for layer in range(layers):
-        for name, (rows, cols) in GPT_SHAPES:
-            shape = (rows * hidden // world, cols * hidden)
-            for kind in ("weight", "exp_avg", "exp_avg_sq"):
-                state[f"layers.{layer}.{name}.{kind}"] = torch.rand(shape, generator=gen)
-    return state
-
-
-def preset_state(preset: str, total_bytes: int, rank: int, world: int, main_world: int) -> dict[str, torch.Tensor]:
-    """This rank's tensors shaped like a rank of a real tensor-parallel job (see ``SHAPE_PRESETS``).
-
-    At ``main_world`` ranks each holds exactly the preset's shapes (split along dim 0
-    of the global tensors); at other world sizes the same global tensors are split anew.
-    """
-    shapes = SHAPE_PRESETS[preset]
-    layer_bytes = sum(math.prod(shape) for _, shape in shapes) * 4 * 3 * main_world
-    layers = max(1, round(total_bytes / layer_bytes))
-    gen = torch.Generator().manual_seed(rank)
-    state: dict[str, torch.Tensor] = {}
-    for layer in range(layers):
-        for name, shape in shapes:
-            local = (shape[0] * main_world // world, *shape[1:])
-            for kind in ("weight", "exp_avg", "exp_avg_sq"):
-                state[f"layers.{layer}.{name}.{kind}"] = torch.rand(local, generator=gen)
-    return state
-
-
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.nbytes for t in state.values())
 
 
 # ------------------------------------------------------------------- methods
@@ -415,8 +347,9 @@ def add_parser(subparsers: Any) -> None:
         choices=["synthetic", *SHAPE_PRESETS],
         default="synthetic",
         help="tensor shapes: 'synthetic' (GPT-like, many mid-sized tensors) or a rank of a real tensor-parallel "
-        "model (7b-tp8: fewer, larger tensors; 1b-tp2), or uniform-8mib (equal 8 MiB tensors); the layer count "
-        "follows --size",
+        "model (7b-tp8: fewer, larger tensors; 1b-tp2), uniform-8mib (equal 8 MiB tensors), moe (one "
+        "expert-parallel rank: thousands of bf16 expert matrices) or many-small (10,000 tensors of 256 values, "
+        "whatever --size says); the layer count follows --size",
     )
     parser.add_argument(
         "--keep-last",
