@@ -1,11 +1,18 @@
 """Names on storage: iteration directories and the tracker file.
 
-Two layouts are supported, both as their original projects write them:
+Five layouts are supported, each as its original project writes it:
 
 * ``megatron``: ``iter_0000100/`` and ``latest_checkpointed_iteration.txt`` holding
   ``100`` or ``release``;
 * ``neox``: ``global_step100/`` and ``latest`` holding the tag ``global_step100``
-  (DeepSpeed's convention), or ``release``.
+  (DeepSpeed's convention), or ``release``;
+* ``hf``: ``checkpoint-100/``, the name the Hugging Face ``Trainer`` writes and
+  ``transformers.trainer_utils.get_last_checkpoint`` finds, and ``latest_checkpoint.txt``
+  holding that tag;
+* ``accelerate``: ``checkpoint_100/``, Accelerate's automatic checkpoint naming, and
+  ``latest_accelerate_checkpoint.txt`` holding that tag;
+* ``torchtitan``: ``step-100/``, the name torchtitan's checkpoint manager writes and
+  looks for, and ``latest_step.txt`` holding that tag (torchtitan itself keeps no tracker).
 
 A layout only names things; it never touches storage.
 """
@@ -17,7 +24,7 @@ from dataclasses import dataclass
 
 from shardpoint.errors import CorruptCheckpointError
 
-__all__ = ["LAYOUTS", "RELEASE", "Layout"]
+__all__ = ["LAYOUTS", "RELEASE", "Layout", "NamedLayout", "named"]
 
 RELEASE = "release"
 
@@ -27,7 +34,7 @@ class Layout:
     """How one convention names checkpoints.
 
     Args:
-        name: ``megatron`` or ``neox``.
+        name: ``megatron``, ``neox``, ``hf``, ``accelerate`` or ``torchtitan``.
         tracker_name: file beside the checkpoints naming the latest one.
         dir_format: ``str.format`` pattern of an iteration directory.
         dir_pattern: regex with one group, the iteration, matching such a directory.
@@ -78,10 +85,47 @@ class Layout:
 LAYOUTS: dict[str, Layout] = {
     "megatron": Layout("megatron", "latest_checkpointed_iteration.txt", "iter_{:07d}", r"iter_([0-9]+)", False),
     "neox": Layout("neox", "latest", "global_step{}", r"global_step([0-9]+)", True),
+    "hf": Layout("hf", "latest_checkpoint.txt", "checkpoint-{}", r"checkpoint-([0-9]+)", True),
+    "accelerate": Layout(
+        "accelerate", "latest_accelerate_checkpoint.txt", "checkpoint_{}", r"checkpoint_([0-9]+)", True
+    ),
+    "torchtitan": Layout("torchtitan", "latest_step.txt", "step-{}", r"step-([0-9]+)", True),
 }
 
 
-def get_layout(name: str) -> Layout:
+@dataclass(frozen=True)
+class NamedLayout(Layout):
+    """One checkpoint directory whose name a framework chose; made by :func:`named`, not in :data:`LAYOUTS`.
+
+    Lightning's ``ModelCheckpoint`` picks every path itself (``epoch=0-step=4.ckpt``,
+    ``last.ckpt``), so the name says nothing about the iteration: every save goes into
+    ``dir_format`` (replacing the checkpoint there, committed as any other), the marker
+    records the iteration, and the tracker ``.<name>.latest`` beside it holds the number.
+    The directory parses as iteration 0, the one checkpoint of this layout.
+    """
+
+    def dir_name(self, iteration: int | None) -> str:
+        return RELEASE if iteration is None else self.dir_format
+
+    def parse_dir_name(self, name: str) -> int | None:
+        return 0 if name == self.dir_format else None
+
+
+def named(dir_name: str) -> NamedLayout:
+    """The layout of the one checkpoint directory ``dir_name`` (a plain name, e.g. ``last.ckpt``).
+
+    Raises:
+        ValueError: ``dir_name`` is empty, holds a ``/``, starts with ``.`` or is ``release``.
+    """
+    if not dir_name or "/" in dir_name or "\\" in dir_name or dir_name.startswith(".") or dir_name == RELEASE:
+        raise ValueError(f"a checkpoint directory name must be a plain name (no '/', no leading '.'), got {dir_name!r}")
+    return NamedLayout("named", f".{dir_name}.latest", dir_name, re.escape(dir_name), False)
+
+
+def get_layout(name: str | Layout) -> Layout:
+    """The layout called ``name`` in :data:`LAYOUTS`; a :class:`Layout` (e.g. :func:`named`) is returned as is."""
+    if isinstance(name, Layout):
+        return name
     try:
         return LAYOUTS[name]
     except KeyError:

@@ -19,7 +19,8 @@ __all__ = ["FORMAT_VERSION", "MARKER_NAME", "CheckpointMetadata", "FileRecord"]
 
 MARKER_NAME = "shardpoint.json"
 FORMAT_VERSION = 1
-FORMATS = ("dist", "torch")
+# "torchtitan": torchtitan's own DCP state dict (shardpoint.integrations.torchtitan writes and reads it)
+FORMATS = ("dist", "torch", "torchtitan")
 
 
 @dataclass(frozen=True)
