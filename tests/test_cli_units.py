@@ -62,5 +62,6 @@ def test_missing_hf_bridge_is_one_sentence(tmp_path, monkeypatch, capsys):
     code = cli.main(["export", str(tmp_path), "--to", "hf", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert code == 1 and err.startswith("error: Hugging Face conversion is not available") and "\n" not in err
+    # --from-hf is now --from hf (shardpoint.foreign.hf_import): a directory without config.json is named
     code = cli.main(["convert", "--from-hf", str(tmp_path), str(tmp_path / "out")])
-    assert code == 1 and "not available" in capsys.readouterr().err
+    assert code == 1 and "config.json is missing" in capsys.readouterr().err

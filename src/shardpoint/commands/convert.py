@@ -11,14 +11,15 @@ SRC and DST may each be a local path or ``s3://bucket/prefix``. A destination on
 object storage is written in place and committed by its marker, then the tracker
 (:mod:`shardpoint.lifecycle.commit`); unlike a local one it has no writer lock.
 
-``--from-hf`` imports a Hugging Face model directory (local) instead (``shardpoint.demo.hf``).
-
 ``--from megatron|deepspeed|auto`` imports a Megatron-LM (legacy ``torch`` or
-``torch_dist``) or DeepSpeed / GPT-NeoX checkpoint as a ``dist`` checkpoint, and
-``--to megatron --tp N --pp M [--dp D --distributed-optimizer]`` writes Megatron-LM's
-legacy format from such a source or from a shardpoint checkpoint imported from one
-(:mod:`shardpoint.foreign`). Foreign pickles are read through an allow-list; nothing
-in them runs.
+``torch_dist``, distributed optimizer included) or DeepSpeed / GPT-NeoX checkpoint as a
+``dist`` checkpoint (``--no-optimizer``: the weights only), ``--from hf`` (alias
+``--from-hf``) a local Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel``
+directory, under megatron-core's names, as a release (weights only). ``--to megatron
+--tp N --pp M [--dp D --distributed-optimizer]`` writes Megatron-LM's legacy format
+from such a source or from a shardpoint checkpoint imported from one
+(:mod:`shardpoint.foreign`); a Hugging Face source becomes Megatron's release
+checkpoint. Foreign pickles are read through an allow-list; nothing in them runs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import os
 from typing import Any
 
 from shardpoint import offline
-from shardpoint.commands._hf import hf_function
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded
 from shardpoint.storage.base import open_storage
 
@@ -39,7 +39,8 @@ EXAMPLES = """examples:
   shardpoint convert runs/gpt runs/gpt-dist --format dist         # torch -> dist (reshardable on load)
   shardpoint convert runs/gpt runs/gpt-neox --layout neox --iteration 200
   shardpoint convert runs/tp1 runs/tp2 --tp 2 --split-dim '*fc1.*=0' --split-dim '*fc2.weight=1'
-  shardpoint convert --from-hf ./hf-model runs/imported --tp 2 --pp 1
+  shardpoint convert --from hf ./Llama-3.2-1B runs/llama                  # HF Llama / GPT-2 -> dist (release)
+  shardpoint convert --from hf --to megatron ./Llama-3.2-1B /data/llama-tp2pp2 --tp 2 --pp 2
   shardpoint convert s3://bucket/runs/gpt runs/gpt-copy            # download a verified copy
   shardpoint convert --from megatron /data/megatron/run runs/imported       # Megatron-LM -> dist
   shardpoint convert --from deepspeed /data/neox/run runs/imported          # DeepSpeed / GPT-NeoX -> dist
@@ -59,7 +60,7 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "src", metavar="SRC", help="a save directory or one checkpoint, local or s3:// (--from-hf: a local HF model)"
+        "src", metavar="SRC", help="a save directory or one checkpoint, local or s3:// (--from hf: a local HF model)"
     )
     parser.add_argument(
         "dst", metavar="DST", help="the save directory to write the converted checkpoint into (local or s3://)"
@@ -78,12 +79,18 @@ def add_parser(subparsers: Any) -> None:
         help="tensor-parallel dim of keys matching PATTERN (needed for tp>1 from a tp=1 source); "
         "DIM 'none' means replicated; repeatable",
     )
-    parser.add_argument("--from-hf", action="store_true", help="SRC is a Hugging Face model directory to import")
     parser.add_argument(
         "--from",
         dest="from_tool",
-        choices=("megatron", "deepspeed", "auto"),
-        help="SRC is a Megatron-LM or DeepSpeed/GPT-NeoX checkpoint (save dir or iteration dir) to import",
+        choices=("megatron", "deepspeed", "hf", "auto"),
+        help="SRC is a Megatron-LM or DeepSpeed/GPT-NeoX checkpoint (save dir or iteration dir), or a Hugging Face "
+        "Llama / GPT-2 model directory (hf), to import",
+    )
+    parser.add_argument("--from-hf", dest="from_tool", action="store_const", const="hf", help="the same as --from hf")
+    parser.add_argument(
+        "--no-optimizer",
+        action="store_true",
+        help="--from megatron|deepspeed: import the model weights only (e.g. when the optimizer layout is refused)",
     )
     parser.add_argument(
         "--to", dest="to_tool", choices=("megatron",), help="write Megatron-LM's legacy torch format (needs --tp/--pp)"
@@ -119,12 +126,12 @@ def _positive(text: str) -> int:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
-    if args.from_hf:
-        return _from_hf(out, args)
     if args.from_tool or args.to_tool:
         return _foreign(out, args)
     if args.dp is not None or args.distributed_optimizer:
         raise ValueError("--dp and --distributed-optimizer apply to --to megatron only")
+    if args.no_optimizer:
+        raise ValueError("--no-optimizer applies to --from megatron|deepspeed|auto only")
     with out.progress() as progress:
         path = offline.convert(
             args.src,
@@ -159,19 +166,6 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _from_hf(out: Output, args: argparse.Namespace) -> int:
-    for name in ("iteration", "layout"):
-        if getattr(args, name) is not None:
-            raise ValueError(f"--{name} does not apply to --from-hf")
-    if "://" in args.src:
-        raise ValueError(f"--from-hf reads a local Hugging Face model directory; got {args.src}")
-    import_hf = hf_function("import_hf")
-    path = import_hf(args.src, args.dst, args.tp or 1, args.pp or 1, args.format or "dist")
-    out.emit_json({"source": os.path.abspath(args.src), "destination": str(path) if path else args.dst})
-    out.print(f"imported {args.src} into {path or args.dst}")
-    return EXIT_OK
-
-
 def _foreign(out: Output, args: argparse.Namespace) -> int:
     """``--from`` / ``--to``: import a Megatron-LM / DeepSpeed checkpoint, or export Megatron-LM's format."""
     from shardpoint import foreign
@@ -181,12 +175,18 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
         if getattr(args, name):
             raise ValueError(f"--{name.replace('_', '-')} does not apply to --from/--to")
     source = None if args.from_tool in (None, "auto") else args.from_tool
+    if source == "hf" and (args.iteration is not None or args.no_optimizer):
+        raise ValueError("--iteration and --no-optimizer do not apply to --from hf (weights only, one model)")
     if args.to_tool is None:
         if args.tp or args.pp or args.dp or args.distributed_optimizer:
             raise ValueError(
                 "importing keeps the source's layout (a dist checkpoint loads at any); drop --tp/--pp/--dp"
             )
-        path = foreign.import_checkpoint(args.src, args.dst, source=source, iteration=args.iteration)
+        if source == "hf":
+            return _import_hf(out, args)
+        path = foreign.import_checkpoint(
+            args.src, args.dst, source=source, iteration=args.iteration, optimizer=not args.no_optimizer
+        )
         _, meta = offline.resolve(path)
         out.emit_json(
             {
@@ -202,8 +202,12 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
         return EXIT_OK
     if not args.tp or not args.pp:
         raise ValueError("--to megatron needs --tp and --pp (and --dp with --distributed-optimizer)")
-    if args.from_tool:
-        ckpt = foreign.read_foreign(args.src, source=source, iteration=args.iteration)
+    if source == "hf":
+        from shardpoint.foreign.hf_import import read_hf
+
+        ckpt = read_hf(args.src)
+    elif args.from_tool:
+        ckpt = foreign.read_foreign(args.src, source=source, iteration=args.iteration, optimizer=not args.no_optimizer)
     else:
         ckpt = from_shardpoint(args.src, args.iteration)
     offline.refuse_writing_into_source(ckpt.path, args.dst)
@@ -220,11 +224,37 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
             "dp": dp,
             "distributed_optimizer": args.distributed_optimizer,
             "iteration": ckpt.iteration,
+            "release": bool(ckpt.extra.get("release")),
         }
     )
     files = sorted(os.listdir(path))
     out.print(
         f"wrote Megatron-LM checkpoint {path}: tp={args.tp} pp={args.pp} dp={dp}, {len(files)} rank folders"
         + (", distributed optimizer" if args.distributed_optimizer else "")
+        + (", release (weights only: Megatron-LM starts at iteration 0)" if ckpt.extra.get("release") else "")
+    )
+    return EXIT_OK
+
+
+def _import_hf(out: Output, args: argparse.Namespace) -> int:
+    """``--from hf`` without ``--to``: a Hugging Face model as a ``dist`` release checkpoint under Megatron's names."""
+    from shardpoint.foreign.hf_import import import_hf
+
+    with out.progress() as progress:
+        path = import_hf(args.src, args.dst, progress=progress)
+    _, meta = offline.resolve(path)
+    out.emit_json(
+        {
+            "source": os.path.abspath(args.src),
+            "destination": path,
+            "release": meta.release,
+            "files": len(meta.files),
+            "bytes": meta.total_bytes,
+            "config": meta.config,
+        }
+    )
+    out.print(
+        f"imported {args.src} into {path}: dist format, release (weights only), {len(meta.files)} files, "
+        f"{meta.config['num_layers']} layers under megatron-core names"
     )
     return EXIT_OK

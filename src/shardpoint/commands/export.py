@@ -4,11 +4,13 @@
   keys without the ``model.`` prefix, for any tool that reads safetensors.
 * ``--to release``: a Megatron *release* checkpoint (weights only, ``release/`` and a
   tracker saying ``release``), which ``Checkpointer.load`` loads in finetune mode.
-* ``--to hf``: a Hugging Face ``GPT2LMHeadModel`` directory. From a Megatron-LM
-  checkpoint (legacy ``torch`` or ``torch_dist``, read in place) or a shardpoint
-  checkpoint imported from one (``convert --from megatron``), via
-  :func:`shardpoint.foreign.hf.export_hf`: GPT-2-like models only, anything else is
-  refused naming the features GPT-2 lacks. From a demo GPT run, via
+* ``--to hf``: a Hugging Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory
+  (``config.json``, ``model.safetensors``, sharded with an index past
+  ``--max-shard-size``). From a Megatron-LM checkpoint (legacy ``torch`` or
+  ``torch_dist``, read in place, its optimizer state not read) or a shardpoint
+  checkpoint imported from one (``convert --from megatron|hf``), via
+  :func:`shardpoint.foreign.hf.export_hf`: GPT-2-like and Llama-like models, anything
+  else is refused naming the features each family lacks. From a demo GPT run, via
   ``shardpoint.demo.hf.export_hf``.
 
 SRC may be local or ``s3://bucket/prefix``. A release checkpoint may be written to
@@ -52,6 +54,7 @@ EXAMPLES = """examples:
   shardpoint export runs/gpt --to release runs/gpt-release --iteration 200
   shardpoint export runs/gpt --to hf ./hf-model
   shardpoint export /data/megatron/gpt2-run --to hf ./hf-model      # Megatron-LM, read in place
+  shardpoint export /data/megatron/llama-run --to hf ./hf-llama --dtype bf16 --max-shard-size 2GB
   shardpoint export s3://bucket/runs/gpt --to safetensors ./model.safetensors
 """
 
@@ -80,6 +83,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="N",
         help="hf from Megatron-LM: the tokenizer's vocabulary size when the args do not record it "
         "(embedding rows past it are Megatron's padding and are dropped)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="hf from Megatron-LM: split the weights into safetensors shards of at most SIZE, with an index "
+        "(default 5GB, as transformers)",
     )
     add_output_flags(parser)
     parser.set_defaults(func=run)
@@ -132,17 +142,18 @@ def run(args: argparse.Namespace) -> int:
 def _megatron_source(src: str, iteration: int | None) -> ForeignCheckpoint | None:
     """The Megatron-LM model ``src`` holds (read in place, or imported by shardpoint), or None."""
     from shardpoint import foreign
-    from shardpoint.foreign.exporter import from_shardpoint
+    from shardpoint.foreign.exporter import from_shardpoint, holds_megatron_model
 
     directory = foreign.find_foreign(src, iteration)
     if directory is not None:
-        return foreign.read_foreign(directory)
+        return foreign.read_foreign(directory, optimizer=False)  # weights only: any optimizer layout will do
     try:
         path, meta = offline.resolve(src, iteration)
     except CheckpointError:
         return None  # the demo bridge says what is wrong with it, in its own words
-    tool = (read_common(path, meta).get("foreign") or {}).get("tool")
-    if tool == "megatron":
+    common = read_common(path, meta)
+    tool = (common.get("foreign") or {}).get("tool")
+    if holds_megatron_model(common, meta.release, dict(meta.config)):
         return from_shardpoint(path)
     if tool is not None:
         raise CheckpointError(f"{path} was imported from {tool}; --to hf maps Megatron-LM GPT models only")
@@ -152,10 +163,15 @@ def _megatron_source(src: str, iteration: int | None) -> ForeignCheckpoint | Non
 def _megatron_hf(out: Output, args: argparse.Namespace, ckpt: ForeignCheckpoint) -> int:
     from shardpoint.foreign.hf import export_hf
 
-    written = export_hf(ckpt, args.out, dtype=DTYPES.get(args.dtype), vocab_size=args.vocab_size)
+    written = export_hf(
+        ckpt, args.out, dtype=DTYPES.get(args.dtype), vocab_size=args.vocab_size, max_shard_size=args.max_shard_size
+    )
     with open(os.path.join(written, "config.json")) as f:
         config = json.load(f)
     rows = ckpt.params["embedding.word_embeddings.weight"].shape[0]
+    architecture = config["architectures"][0]
+    layers = config.get("n_layer", config.get("num_hidden_layers"))
+    weights = sorted(n for n in os.listdir(written) if n.endswith(".safetensors"))
     out.emit_json(
         {
             "to": "hf",
@@ -165,19 +181,26 @@ def _megatron_hf(out: Output, args: argparse.Namespace, ckpt: ForeignCheckpoint)
             "format": ckpt.format,
             "imported": os.path.exists(os.path.join(ckpt.path, MARKER_NAME)),
             "iteration": ckpt.iteration,
-            "layers": config["n_layer"],
+            "architecture": architecture,
+            "layers": layers,
             "vocab_size": config["vocab_size"],
             "padding_rows_dropped": rows - config["vocab_size"],
-            "activation_function": config["activation_function"],
+            "activation_function": config.get("activation_function", config.get("hidden_act")),
             "tie_word_embeddings": config["tie_word_embeddings"],
             "dtype": config["torch_dtype"],
+            "weight_files": weights,
         }
     )
     imported = os.path.exists(os.path.join(ckpt.path, MARKER_NAME))
     what = f"{ckpt.path} (imported from Megatron-LM {ckpt.format})" if imported else f"Megatron-LM {ckpt.path}"
+    details = (
+        f"{config['activation_function']}"
+        if "activation_function" in config
+        else f"{config['num_key_value_heads']} kv heads, rope_theta {config['rope_theta']:g}"
+    )
     out.print(
-        f"exported {what}, iteration {ckpt.iteration}, to {written}: Hugging Face GPT2LMHeadModel, "
-        f"{config['n_layer']} layers, vocabulary {config['vocab_size']}, {config['activation_function']}"
+        f"exported {what}, iteration {ckpt.iteration}, to {written}: Hugging Face {architecture}, "
+        f"{layers} layers, vocabulary {config['vocab_size']}, {details}, {len(weights)} safetensors file(s)"
     )
     return EXIT_OK
 

@@ -7,12 +7,15 @@
 * :func:`find_foreign` tells another tool's checkpoint from shardpoint's own.
 * :func:`export_megatron` writes Megatron-LM's legacy format at a new tp/pp (and dp
   with the distributed optimizer), from either kind of source.
-* :func:`shardpoint.foreign.hf.export_hf` writes a GPT-2-like Megatron GPT as a
-  Hugging Face ``GPT2LMHeadModel`` directory.
+* :func:`shardpoint.foreign.hf.export_hf` writes a GPT-2-like or Llama-like Megatron
+  GPT as a Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` directory, and
+  :mod:`shardpoint.foreign.hf_import` reads such a directory back as a Megatron model.
 
 Modules: ``_unpickle`` (allow-list loading), ``_types``, ``structure`` (split dims,
-QKV, GLU, vocab padding), ``megatron``, ``megatron_torch_dist``, ``deepspeed``,
-``importer``, ``exporter``, ``hf``.
+QKV, GLU, vocab padding), ``megatron``, ``megatron_torch_dist``, ``megatron_distopt``
+(the distributed optimizer's bucket space), ``deepspeed``, ``importer``, ``exporter``,
+``llama`` (the Llama mapping, both ways), ``hf`` (GPT-2 mapping, family choice),
+``hf_files`` (safetensors directories), ``hf_import``.
 """
 
 from shardpoint.foreign._types import ForeignCheckpoint

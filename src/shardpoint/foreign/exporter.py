@@ -15,6 +15,12 @@ checkpoint imported from one (:func:`from_shardpoint`). The output is what
   :func:`shardpoint.foreign.megatron.buffer_layout`), independent of the DP size;
 * ``latest_checkpointed_iteration.txt``, written last.
 
+A source without optimizer state (a Hugging Face model, ``convert --from hf``) is
+written as Megatron's *release* checkpoint, as its loader expects of pretrained
+weights: ``release/mp_rank_*/model_optim_rng.pt`` without ``optimizer`` and
+``opt_param_scheduler``, and a tracker saying ``release``; Megatron-LM then loads the
+weights and starts at iteration 0 with a fresh optimizer (no flags needed).
+
 Re-splitting is structure-aware (:mod:`.structure`): query groups must divide by TP,
 gated MLPs are re-interleaved, the vocabulary is re-padded for the new TP, layers are
 renumbered per stage, and a tied output layer is added on the last stage when pp > 1.
@@ -55,7 +61,7 @@ from shardpoint.foreign.structure import (
 )
 from shardpoint.state.train_state import MODEL_PREFIX, OPTIM_PREFIX
 
-__all__ = ["export_megatron", "from_shardpoint"]
+__all__ = ["export_megatron", "from_shardpoint", "holds_megatron_model"]
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +70,33 @@ _EXTRA_STATE_MODULES = re.compile(r"(linear_proj|linear_qkv|linear_fc1|linear_fc
 CHECKPOINT_VERSION = 3.0
 
 
+# args every Megatron-LM GPT records and shardpoint's own configs lack
+_MEGATRON_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type", "padded_vocab_size")
+
+
+def holds_megatron_model(common: dict[str, Any], release: bool, config: dict[str, Any]) -> bool:
+    """Whether a shardpoint checkpoint holds a Megatron-LM model: imported from one, or its release.
+
+    A release keeps only the weights and ``shardpoint.json``'s config (the Megatron args),
+    not the ``foreign`` record of the import, so those args tell it.
+    """
+    if (common.get("foreign") or {}).get("tool") == "megatron":
+        return True
+    return release and all(config.get(k) is not None for k in _MEGATRON_ARGS)
+
+
 def from_shardpoint(path: str, iteration: int | None = None) -> ForeignCheckpoint:
-    """A shardpoint checkpoint imported from Megatron-LM, back as a :class:`ForeignCheckpoint`."""
+    """A shardpoint checkpoint imported from Megatron-LM or Hugging Face, back as a :class:`ForeignCheckpoint`."""
     full = offline.read_full(path, iteration)
     foreign = full.common.get("foreign") or {}
-    if foreign.get("tool") != "megatron":
+    if not holds_megatron_model(full.common, full.metadata.release, dict(full.metadata.config)):
         raise CheckpointError(
             f"{full.path} was not imported from Megatron-LM (its common state has no Megatron args); "
             "export to Megatron needs the model's Megatron args"
         )
     ckpt = ForeignCheckpoint(
         tool="megatron",
-        format=foreign.get("format", "torch"),
+        format=foreign.get("format", "release" if full.metadata.release else "torch"),
         path=full.path,
         iteration=full.metadata.iteration,
         tp=foreign.get("tp", 1),
@@ -84,7 +105,11 @@ def from_shardpoint(path: str, iteration: int | None = None) -> ForeignCheckpoin
         scheduler=dict(full.common.get("scheduler") or {}),
         consumed_samples=full.metadata.consumed_samples,
         args=dict(full.metadata.config),
-        extra={"checkpoint_version": foreign.get("checkpoint_version"), "rng_state": foreign.get("rng_state")},
+        extra={
+            "checkpoint_version": foreign.get("checkpoint_version"),
+            "rng_state": foreign.get("rng_state"),
+            "release": full.metadata.release,
+        },
     )
     flops = (full.common.get("extra") or {}).get("flops")
     ckpt.extra["num_floating_point_operations_so_far"] = int(flops) if flops is not None else 0
@@ -96,7 +121,7 @@ def from_shardpoint(path: str, iteration: int | None = None) -> ForeignCheckpoin
             name, _, state_key = key[len(OPTIM_PREFIX) :].rpartition(".")
             ckpt.optimizer.setdefault(name, {})[state_key] = tensor
     order = [n for group in foreign.get("param_groups", []) for n in group]
-    ckpt.params = {n: ckpt.params[n] for n in sorted(ckpt.params, key=_model_rank(order))}
+    ckpt.params = {n: ckpt.params[n] for n in sorted(ckpt.params, key=_model_rank(order or list(ckpt.params)))}
     for hyper, names in zip(full.common.get("optimizer_param_groups", []), foreign.get("param_groups", [])):
         ckpt.param_groups.append(dict(hyper) | {"param_names": list(names)})
     return ckpt
@@ -130,7 +155,8 @@ def export_megatron(
         raise CheckpointError(f"{ckpt.path}: export to Megatron-LM needs a Megatron-LM source (its args)")
     args = _new_args(ckpt, tp, pp, dp, distributed_optimizer)
     root = os.fspath(dst)
-    name = f"iter_{ckpt.iteration:07d}"
+    release = bool(ckpt.extra.get("release"))
+    name = "release" if release else f"iter_{ckpt.iteration:07d}"
     final = os.path.join(root, name)
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists already; export into another directory or remove it first")
@@ -151,7 +177,7 @@ def export_megatron(
         raise
     tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
     with open(tracker + ".tmp", "w") as f:
-        f.write(str(ckpt.iteration))
+        f.write("release" if release else str(ckpt.iteration))
     os.replace(tracker + ".tmp", tracker)
     log.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d dp=%d)", final, tp, pp, dp)
     return final
@@ -269,15 +295,17 @@ def _write_rank(
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": ckpt.iteration,
         "model": model,
-        "optimizer": _optimizer(ckpt, names, pieces, t, distopt),
-        "opt_param_scheduler": ckpt.scheduler,
     }
+    with_optimizer = any(ckpt.optimizer.get(n) for n in ckpt.params)
+    if with_optimizer:  # pretrained weights (a release) have none: Megatron then builds a fresh optimizer
+        state["optimizer"] = _optimizer(ckpt, names, pieces, t, distopt)
+        state["opt_param_scheduler"] = ckpt.scheduler
     rng = _rng_for(ckpt, t, p)
     if rng is not None:
         state["rng_state"] = rng
     state["num_floating_point_operations_so_far"] = ckpt.extra.get("num_floating_point_operations_so_far", 0)
     save_foreign(state, os.path.join(folder, MODEL_FILE))
-    if distopt:
+    if distopt and with_optimizer:
         save_foreign(
             _distrib_optim(names, pieces, t, os.path.join(folder, OPTIM_FILE)), os.path.join(folder, OPTIM_FILE)
         )
@@ -341,7 +369,8 @@ def _rng_for(ckpt: ForeignCheckpoint, t: int, p: int) -> Any:
     if found is None and states:
         found = states.get("0_0")
     if found is None:
-        log.warning("%s has no RNG state to carry over: start Megatron-LM with --no-load-rng", ckpt.path)
+        if not ckpt.extra.get("release"):  # a release loads no RNG state
+            log.warning("%s has no RNG state to carry over: start Megatron-LM with --no-load-rng", ckpt.path)
         return None
     return _rng_from_safe(found)
 

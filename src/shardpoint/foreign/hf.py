@@ -1,4 +1,8 @@
-"""A Megatron-LM GPT as a Hugging Face ``GPT2LMHeadModel`` directory.
+"""A Megatron-LM GPT as a Hugging Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory, and back.
+
+:func:`model_family` picks the family the source's args describe exactly: GPT-2-like
+(below) or Llama-like (:mod:`.llama`: RoPE, SwiGLU, RMSNorm, grouped-query attention);
+a model that is neither is refused naming what each family lacks.
 
 Only GPT-2-like Megatron models map onto GPT-2 exactly: learned absolute position
 embeddings, LayerNorm, a plain (not gated) GeLU MLP, multi-head attention with
@@ -30,13 +34,15 @@ The activation: Megatron's ``F.gelu`` is the exact (erf) GeLU, GPT-2's ``"gelu"`
 ``--openai-gelu`` and the fused bias-GeLU kernel (``--bias-gelu-fusion``, Megatron's
 default) compute the tanh approximation, GPT-2's ``"gelu_new"``.
 
-:func:`export_hf` writes ``config.json`` and ``model.safetensors`` (each under a
-temporary name, then renamed) that ``GPT2LMHeadModel.from_pretrained`` loads.
+:func:`export_hf` writes ``config.json`` and ``model.safetensors`` (sharded with an
+index past ``max_shard_size``; :mod:`.hf_files`) that ``from_pretrained`` loads.
+
+The way back (``convert --from hf``, :mod:`.hf_import`): :func:`megatron_args_from_gpt2`
+and :func:`from_gpt2_state_dict` invert the GPT-2 mapping exactly.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -44,11 +50,24 @@ from typing import Any
 
 import torch
 
-from shardpoint.errors import CheckpointError
+from shardpoint.errors import CheckpointError, MissingKeysError
+from shardpoint.foreign import llama
 from shardpoint.foreign._types import ForeignCheckpoint
-from shardpoint.foreign.structure import qkv_to_separate
+from shardpoint.foreign.hf_files import write_hf_dir
+from shardpoint.foreign.structure import qkv_to_separate, separate_to_qkv
 
-__all__ = ["HF_CONFIG", "HF_WEIGHTS", "activation", "check_gpt2_like", "export_hf", "hf_config", "to_gpt2_state_dict"]
+__all__ = [
+    "HF_CONFIG",
+    "HF_WEIGHTS",
+    "activation",
+    "check_gpt2_like",
+    "export_hf",
+    "from_gpt2_state_dict",
+    "hf_config",
+    "megatron_args_from_gpt2",
+    "model_family",
+    "to_gpt2_state_dict",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +106,7 @@ def _arg(args: dict[str, Any], name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _heads_and_groups(args: dict[str, Any]) -> tuple[int, int]:
-    heads = int(_arg(args, "num_attention_heads", 0))
-    groups = int(_arg(args, "num_query_groups", heads)) if _arg(args, "group_query_attention", False) else heads
-    return heads, groups
+_heads_and_groups = llama.heads_and_groups
 
 
 def _unsupported(args: dict[str, Any]) -> list[str]:
@@ -136,6 +152,40 @@ def _unsupported(args: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _check_source(ckpt: ForeignCheckpoint) -> None:
+    if ckpt.tool != "megatron":
+        raise CheckpointError(
+            f"{ckpt.path} is a {ckpt.tool} checkpoint; --to hf maps Megatron-LM GPT models (megatron-core names) only"
+        )
+    if not ckpt.args:
+        raise CheckpointError(f"{ckpt.path} records no Megatron args; the model's shape and features are unknown")
+
+
+def model_family(ckpt: ForeignCheckpoint) -> str:
+    """``"gpt2"`` or ``"llama"``: the Hugging Face family that holds Megatron GPT ``ckpt`` exactly.
+
+    Raises:
+        CheckpointError: not a Megatron checkpoint, args missing, or neither family fits;
+            the message names every feature that does not fit, the closer family first.
+    """
+    _check_source(ckpt)
+    gpt2, llama_like = _unsupported(ckpt.args), llama.llama_problems(ckpt.args)
+    if not gpt2:
+        return "gpt2"
+    if not llama_like:
+        return "llama"
+    parts = [
+        "not GPT-2-like (GPT2LMHeadModel): " + "; ".join(gpt2),
+        "not Llama-like (LlamaForCausalLM): " + "; ".join(llama_like),
+    ]
+    if llama.looks_like_llama(ckpt.args):
+        parts.reverse()
+    raise CheckpointError(
+        f"{ckpt.path}: this Megatron model is " + ", and ".join(parts) + ". Export it with --to safetensors "
+        "instead (Megatron's own names) or convert it with a tool for that architecture"
+    )
+
+
 def check_gpt2_like(ckpt: ForeignCheckpoint) -> None:
     """Raise unless ``ckpt`` is a Megatron GPT that GPT-2 expresses exactly.
 
@@ -143,12 +193,7 @@ def check_gpt2_like(ckpt: ForeignCheckpoint) -> None:
         CheckpointError: not a Megatron checkpoint, args missing, or (all named at once)
             the model features GPT-2 has no equivalent for.
     """
-    if ckpt.tool != "megatron":
-        raise CheckpointError(
-            f"{ckpt.path} is a {ckpt.tool} checkpoint; --to hf maps Megatron-LM GPT models (megatron-core names) only"
-        )
-    if not ckpt.args:
-        raise CheckpointError(f"{ckpt.path} records no Megatron args; the model's shape and features are unknown")
+    _check_source(ckpt)
     problems = _unsupported(ckpt.args)
     if problems:
         raise CheckpointError(
@@ -292,8 +337,12 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     vocab_size: int | None = None,
+    max_shard_size: int | str = "5GB",
 ) -> str:
-    """Write ``config.json`` and ``model.safetensors`` of Megatron GPT ``ckpt``; return ``out_dir``.
+    """Write ``config.json`` and the safetensors weights of Megatron GPT ``ckpt``; return ``out_dir``.
+
+    A GPT-2-like model becomes ``GPT2LMHeadModel``, a Llama-like one ``LlamaForCausalLM``
+    (:func:`model_family`).
 
     Args:
         ckpt: from :func:`~shardpoint.foreign.read_foreign` or
@@ -301,41 +350,124 @@ def export_hf(
         out_dir: a local directory, created if needed; files of the same names are replaced.
         dtype: cast the weights (default: as saved).
         vocab_size: the real vocabulary size, when the args do not record it.
+        max_shard_size: weights past this size are split into shards with an index.
 
     Raises:
-        CheckpointError: the model is not GPT-2-like (every unsupported feature named),
+        CheckpointError: neither family holds the model (every unsupported feature named),
             or tensors are missing or left over (named).
 
     Example:
-        >>> export_hf(read_foreign("/data/megatron/gpt-run"), "hf-gpt")
-        >>> transformers.GPT2LMHeadModel.from_pretrained("hf-gpt")
+        >>> export_hf(read_foreign("/data/megatron/llama-run"), "hf-llama")
+        >>> transformers.AutoModelForCausalLM.from_pretrained("hf-llama")
     """
-    from safetensors.torch import save_file
-
-    config = hf_config(ckpt, vocab_size, dtype)
-    tensors = to_gpt2_state_dict(ckpt, vocab_size, dtype)
+    family = model_family(ckpt)
+    if family == "gpt2":
+        config, tensors = hf_config(ckpt, vocab_size, dtype), to_gpt2_state_dict(ckpt, vocab_size, dtype)
+    else:
+        vocab, layers = _vocab(ckpt, vocab_size), _num_layers(ckpt)
+        llama.check_head_dim(ckpt.args, ckpt.params, ckpt.path)
+        tensors = llama.to_llama_state_dict(ckpt.args, ckpt.params, vocab, layers, ckpt.path)
+        tensors = {
+            k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone() for k, v in tensors.items()
+        }
+        config = llama.llama_config(ckpt.args, ckpt.params, vocab, layers, dtype or ckpt.params[WORD_EMBEDDINGS].dtype)
     out = os.path.abspath(os.fspath(out_dir))
-    os.makedirs(out, exist_ok=True)
-    weights, config_path = os.path.join(out, HF_WEIGHTS), os.path.join(out, HF_CONFIG)
-    try:
-        save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
-        with open(config_path + ".tmp", "w") as f:
-            json.dump(config, f, indent=2)
-        os.replace(weights + ".tmp", weights)
-        os.replace(config_path + ".tmp", config_path)
-    finally:
-        for tmp in (weights + ".tmp", config_path + ".tmp"):
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    files = write_hf_dir(out, config, tensors, max_shard_size)
     rows = ckpt.params[WORD_EMBEDDINGS].shape[0]
     log.info(
-        "exported %s (iteration %d) to %s: %d layers, vocabulary %d (%d padding rows dropped), %s",
+        "exported %s (iteration %d) to %s: %s, %d weight file(s), vocabulary %d (%d padding rows dropped)",
         ckpt.path,
         ckpt.iteration,
         out,
-        config["n_layer"],
+        config["architectures"][0],
+        sum(1 for f in files if f.endswith(".safetensors")),
         config["vocab_size"],
         rows - config["vocab_size"],
-        config["activation_function"],
     )
+    return out
+
+
+# ------------------------------------------------------------------ Hugging Face GPT-2 -> Megatron
+
+
+def megatron_args_from_gpt2(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The model-defining Megatron-LM args (JSON form) of a ``GPT2LMHeadModel`` ``config.json``.
+
+    Raises:
+        CheckpointError: what Megatron's GPT computes differently, each named.
+    """
+    act = config.get("activation_function", "gelu_new")
+    problems = []
+    if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        problems.append(f"activation {act!r} (Megatron computes erf or tanh GeLU)")
+    for key, what in (
+        ("scale_attn_by_inverse_layer_idx", "attention scaled by the inverse layer index"),
+        ("reorder_and_upcast_attn", "reordered, upcast attention"),
+        ("add_cross_attention", "cross-attention"),
+    ):
+        if config.get(key):
+            problems.append(what)
+    if config.get("scale_attn_weights", True) is False:
+        problems.append("unscaled attention (scale_attn_weights false)")
+    if problems:
+        raise CheckpointError(f"{where}: this GPT-2 model cannot be converted exactly: " + "; ".join(problems))
+    hidden, heads = int(config.get("n_embd", 768)), int(config.get("n_head", 12))
+    positions = int(config.get("n_positions", 1024))
+    return {
+        "num_layers": int(config.get("n_layer", 12)),
+        "hidden_size": hidden,
+        "ffn_hidden_size": int(config.get("n_inner") or 4 * hidden),
+        "num_attention_heads": heads,
+        "group_query_attention": False,
+        "num_query_groups": None,
+        "kv_channels": hidden // heads,
+        "seq_length": positions,
+        "max_position_embeddings": positions,
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "layernorm_epsilon": float(config.get("layer_norm_epsilon", 1e-5)),
+        "swiglu": False,
+        "add_bias_linear": True,
+        "add_qkv_bias": False,
+        "openai_gelu": act != "gelu",
+        "bias_gelu_fusion": False,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
+        "attention_dropout": float(config.get("attn_pdrop", 0.1)),
+        "hidden_dropout": float(config.get("resid_pdrop", 0.1)),
+        "init_method_std": float(config.get("initializer_range", 0.02)),
+        "apply_query_key_layer_scaling": False,
+    }
+
+
+def from_gpt2_state_dict(hf: dict[str, torch.Tensor], args: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    """Megatron global tensors (legacy names, unpadded vocabulary) of a ``GPT2LMHeadModel`` state dict.
+
+    The inverse of :func:`to_gpt2_state_dict`: ``Conv1D`` weights transposed back,
+    ``c_attn``'s ``[Q; K; V]`` rows regrouped per head.
+
+    Raises:
+        MissingKeysError: GPT-2 tensors missing, or tensors GPT-2 has no place for.
+    """
+    hf = {(k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"): v for k, v in hf.items()}
+    hf = {k: v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers
+    tied = not args["untie_embeddings_and_output_weights"]
+    if tied:
+        hf.pop("lm_head.weight", None)
+    heads, layers = int(args["num_attention_heads"]), int(args["num_layers"])
+    wanted = ["transformer.wte.weight"] + [hf_key for hf_key, _ in _TOP_MAP] + ([] if tied else ["lm_head.weight"])
+    wanted += [f"transformer.h.{i}.{hf_name}" for i in range(layers) for hf_name, _, _ in _LAYER_MAP]
+    missing, unexpected = [k for k in wanted if k not in hf], sorted(set(hf) - set(wanted))
+    if missing or unexpected:
+        raise MissingKeysError(where, missing, unexpected)
+    out = {WORD_EMBEDDINGS: hf["transformer.wte.weight"]}
+    out |= {ours: hf[hf_key] for hf_key, ours in _TOP_MAP}
+    for i in range(layers):
+        for hf_name, candidates, is_linear in _LAYER_MAP:
+            t = hf[f"transformer.h.{i}.{hf_name}"]
+            t = t.t() if is_linear else t
+            if hf_name.startswith("attn.c_attn."):
+                t = separate_to_qkv(*torch.chunk(t, 3, dim=0), heads, heads)
+            out[f"decoder.layers.{i}.{candidates[0]}"] = t.contiguous()
+    if not tied:
+        out[OUTPUT_LAYER] = hf["lm_head.weight"]
     return out

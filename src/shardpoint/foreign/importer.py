@@ -131,7 +131,11 @@ def detect(directory: str, strict: bool = True) -> str | None:
 
 
 def read_foreign(
-    path: str | os.PathLike[str], *, source: str | None = None, iteration: int | None = None
+    path: str | os.PathLike[str],
+    *,
+    source: str | None = None,
+    iteration: int | None = None,
+    optimizer: bool = True,
 ) -> ForeignCheckpoint:
     """Read a Megatron-LM or DeepSpeed checkpoint into global tensors.
 
@@ -139,6 +143,9 @@ def read_foreign(
         path: a save directory or one iteration directory.
         source: ``"megatron"`` or ``"deepspeed"`` to insist on one tool; None detects it.
         iteration: which iteration of a save directory (default: its tracker's).
+        optimizer: False reads the model weights only: ``torch_dist`` then reads no
+            optimizer key at all (so a layout it cannot decode does not stop it); the other
+            readers drop the optimizer state they read.
 
     Example:
         >>> ckpt = read_foreign("/data/megatron/run1")        # iter dir from the tracker
@@ -148,8 +155,12 @@ def read_foreign(
     kind = detect(directory)
     if source is not None and not kind.startswith(source):
         raise CheckpointError(f"{directory} is a {kind} checkpoint, not {source}; drop --from or fix it")
-    reader = {"megatron-torch": read_legacy, "megatron-torch_dist": read_torch_dist, "deepspeed": read_deepspeed}[kind]
-    ckpt = reader(directory)
+    if kind == "megatron-torch_dist":
+        ckpt = read_torch_dist(directory, optimizer=optimizer)
+    else:
+        ckpt = {"megatron-torch": read_legacy, "deepspeed": read_deepspeed}[kind](directory)
+    if not optimizer:
+        ckpt.optimizer = {name: {} for name in ckpt.params}
     log.debug("read %s: %s", directory, ckpt.describe())
     return ckpt
 
@@ -197,6 +208,7 @@ def import_checkpoint(
     *,
     source: str | None = None,
     iteration: int | None = None,
+    optimizer: bool = True,
     progress: ProgressFn | None = None,
 ) -> str:
     """Import a Megatron-LM or DeepSpeed checkpoint into ``dst`` as a ``dist`` checkpoint; return its directory.
@@ -204,11 +216,12 @@ def import_checkpoint(
     The result has the source's iteration, a ``megatron`` layout for Megatron sources
     and ``neox`` (``global_stepN/``, ``latest``) for DeepSpeed ones, and loads through
     :meth:`shardpoint.Checkpointer.load` at any tp/pp/dp that divides the model.
+    ``optimizer=False`` imports the weights only (load it with ``load_optimizer=False``).
 
     Example:
         >>> import_checkpoint("/data/megatron/run1", "runs/imported")
     """
-    ckpt = read_foreign(src, source=source, iteration=iteration)
+    ckpt = read_foreign(src, source=source, iteration=iteration, optimizer=optimizer)
     refuse_writing_into_source(ckpt.path, dst)
     tensors, common, split_dims = to_shardpoint(ckpt)
     written = write_checkpoint(

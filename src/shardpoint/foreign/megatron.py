@@ -112,6 +112,7 @@ def read_legacy(directory: str) -> ForeignCheckpoint:
             "checkpoint_version": first.get("checkpoint_version"),
             "num_floating_point_operations_so_far": first.get("num_floating_point_operations_so_far", 0),
             "rng_state": {f"{t}_{p}": rng_to_safe(st.get("rng_state")) for (t, p), st in states.items()},
+            "release": os.path.basename(os.path.normpath(directory)) == "release",
         },
     )
     for p in range(pp):
@@ -323,6 +324,8 @@ def _param_groups(first: dict, states: dict, offsets: dict[int, int], distopt: b
     opt = first.get("optimizer") or {}
     inner = opt.get("optimizer", opt)
     groups = inner.get("param_groups", [])
+    if not groups:
+        return []  # no optimizer saved (a release of pretrained weights)
     result = [{k: v for k, v in g.items() if k not in ("params", "step")} | {"param_names": []} for g in groups]
     pp = max(p for _, p in states) + 1
     for p in range(pp):

@@ -19,8 +19,10 @@ Non-tensor objects (``ShardedObject``: RNG state, ``_extra_state``) are pickled
 :func:`~shardpoint.foreign._unpickle.load_foreign` instead. DCP's ``.metadata`` is
 read with the restricted unpickler.
 
-Limits: the distributed optimizer's bucket-space keys (``optimizer.distributed.*``,
-``fully_sharded_*`` formats) are refused with an error.
+With ``--use-distributed-optimizer`` the optimizer state is in bucket space
+(``dp_reshardable``, Megatron's default) or in model space (``fully_reshardable``);
+:mod:`.megatron_distopt` decodes both to per-parameter moments. Other layouts are
+refused naming them; ``optimizer=False`` reads the weights of any of them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
 from shardpoint.foreign._unpickle import load_dcp_metadata_foreign, load_foreign
 from shardpoint.foreign.megatron import rng_to_safe
+from shardpoint.foreign.megatron_distopt import (
+    MODEL_SPACE,
+    decode_buckets,
+    is_optimizer_key,
+    settle_master,
+    sharding_type,
+    split_buckets,
+)
 from shardpoint.foreign.structure import split_dim
 from shardpoint.offline import single_process
 
@@ -49,7 +59,7 @@ __all__ = ["is_torch_dist_dir", "model_order", "read_torch_dist"]
 
 log = logging.getLogger(__name__)
 
-_OPT = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$")
+_OPT = MODEL_SPACE  # optimizer.state.<exp_avg|exp_avg_sq|param>.<model key>
 _LOCAL_SPEC_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
@@ -98,8 +108,11 @@ class _Planner(DefaultLoadPlanner):
         self.objects[fqn] = load_foreign(value.read(), f"{self.where} (object {fqn!r})")
 
 
-def read_torch_dist(directory: str) -> ForeignCheckpoint:
-    """Read a megatron-core ``torch_dist`` iteration directory into a :class:`ForeignCheckpoint`."""
+def read_torch_dist(directory: str, optimizer: bool = True) -> ForeignCheckpoint:
+    """Read a megatron-core ``torch_dist`` iteration directory into a :class:`ForeignCheckpoint`.
+
+    ``optimizer=False`` reads the model weights only (no optimizer key is read or decoded).
+    """
     common = load_foreign(os.path.join(directory, "common.pt"))
     args = common.get("args")
     reader = _Reader(directory)
@@ -110,12 +123,10 @@ def read_torch_dist(directory: str) -> ForeignCheckpoint:
             state[key] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             state[key] = None  # a pickled object: read by the planner's load_bytes
-    unsupported = [k for k in state if k.startswith("optimizer.") and not _OPT.match(k)]
-    if unsupported:
-        raise CheckpointError(
-            f"{directory}: optimizer keys such as {unsupported[0]!r} are the distributed optimizer's bucket-space "
-            "format, which is not supported yet; save with --dist-ckpt-optim-fully-reshardable or the legacy format"
-        )
+    if optimizer:
+        layout = sharding_type(directory, common, args, list(state))
+    else:
+        layout, state = None, {k: v for k, v in state.items() if not is_optimizer_key(k)}
     planner = _Planner(directory)
     try:
         with single_process():
@@ -135,14 +146,17 @@ def read_torch_dist(directory: str) -> ForeignCheckpoint:
         tp=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
         pp=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
         dp=int(getattr(args, "data_parallel_size", 1) or 1),
+        optimizer_sharding="distributed-optimizer" if getattr(args, "use_distributed_optimizer", False) else None,
         scheduler=dict(common.get("opt_param_scheduler") or {}),
         consumed_samples=getattr(args, "consumed_train_samples", None),
         args=args_to_json(args) if args is not None else {},
         extra={
             "checkpoint_version": common.get("checkpoint_version"),
             "num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far", 0),
+            "optimizer_layout": layout,
         },
     )
+    buckets = split_buckets(state)
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         if value is None:
@@ -154,18 +168,31 @@ def read_torch_dist(directory: str) -> ForeignCheckpoint:
             else:
                 ckpt.params[name] = tensor
                 ckpt.split_dims[name] = split_dim(name)
-    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
+    ckpt.params = model_order(ckpt.params)
+    groups, step = _hyperparameters(common, layout)
+    if buckets:
+        moments, groups = decode_buckets(directory, args, ckpt.params, buckets, planner.objects)
+        step = next((g["step"] for g in groups if g.get("step") is not None), None)
     for name in ckpt.params:
         entry = moments.pop(name, {})
+        settle_master(name, entry, ckpt.params[name], directory)
         if entry and step is not None:
             entry["step"] = torch.as_tensor(step).clone()
         ckpt.optimizer[name] = entry
     if moments:
         raise CorruptCheckpointError(f"{directory}: optimizer state for unknown parameters {sorted(moments)[:3]}")
     ckpt.extra["rng_state"] = _rng_states(planner.objects)
-    ckpt.params = model_order(ckpt.params)
-    ckpt.param_groups = _groups(common, ckpt.params)
+    ckpt.param_groups = _groups({"optimizer": {"param_groups": groups}}, ckpt.params)
     return ckpt
+
+
+def _hyperparameters(common: dict, layout: str | None) -> tuple[list[dict[str, Any]], Any]:
+    """The optimizer's param groups and step in ``common.pt``: a plain optimizer's, or ``fully_reshardable``'s."""
+    saved = common.get("optimizer") or {}
+    if layout == "fully_reshardable":  # DistributedOptimizer.state_dict(): the step is in each group
+        groups = list((saved.get("optimizer") or {}).get("param_groups") or [])
+        return groups, next((g["step"] for g in groups if g.get("step") is not None), None)
+    return list(saved.get("param_groups") or []), (saved.get("state") or {}).get("common_step")
 
 
 def _rng_states(objects: dict[str, Any]) -> dict[str, Any]:
