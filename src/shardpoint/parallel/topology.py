@@ -9,6 +9,7 @@ and nowhere else.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,10 +90,12 @@ class Topology:
 
         An unnamed 1-D mesh (FSDP2's usual ``init_device_mesh("cuda", (world,))``) is data parallel.
 
-        ``tp`` and ``pp`` are read by name; the one remaining dimension (``dp``,
-        ``fsdp``, ``dp_shard``, ...) is data parallel. torchtitan-style meshes with
-        several data-parallel dimensions flatten them into one first (as torchtitan
-        does for its ``dp`` mesh).
+        ``tp`` and ``pp`` are read by name (also Lightning's ``tensor_parallel`` and
+        ``pipeline_parallel``); the one remaining dimension (``dp``, ``fsdp``, ``dp_shard``,
+        Lightning's ``data_parallel``, ...) is data parallel. Meshes with several
+        data-parallel dimensions need them flattened into one, as Accelerate and torchtitan
+        do (``dp`` of ``dp_replicate`` × ``dp_shard``, ``dp_cp`` with context parallelism):
+        that flattened dimension is used.
         """
         names = tuple(mesh.mesh_dim_names or ())
         if not names and mesh.ndim == 1:  # FSDP2's usual init_device_mesh("cuda", (world,)): data parallel
@@ -102,15 +105,18 @@ class Topology:
                 f"Topology.from_mesh needs the names of a {mesh.ndim}-D mesh's dimensions, e.g. "
                 "init_device_mesh(..., mesh_dim_names=('dp', 'tp')); only a 1-D mesh may be unnamed (data parallel)"
             )
-        data = [n for n in names if n not in ("tp", "pp")]
-        if len(data) > 1:
+        roles = {n: _MESH_ROLES.get(n, "dp") for n in names}
+        # a data-parallel dimension of size 1 holds no parallelism (transformers' dp_replicate=1)
+        data = [n for n in names if roles[n] == "dp" and mesh.size(names.index(n)) > 1]
+        flat = _flattened(mesh, data) if len(data) > 1 else None
+        if len(data) > 1 and flat is None:
             raise ValueError(
                 f"mesh dimensions {data} are all data parallel; flatten them into one "
                 f"(mesh[{tuple(data)!r}]._flatten('dp')) and pass a mesh with one data-parallel dimension"
             )
-        groups = {role: mesh.get_group(name) for role, name in (("tp", "tp"), ("pp", "pp")) if name in names}
+        groups = {role: mesh.get_group(name) for name, role in roles.items() if role != "dp"}
         if data:
-            groups["dp"] = mesh.get_group(data[0])
+            groups["dp"] = flat.get_group() if flat is not None else mesh.get_group(data[0])
         return cls.from_groups(tp_group=groups.get("tp"), pp_group=groups.get("pp"), dp_group=groups.get("dp"))
 
     @property
@@ -183,6 +189,27 @@ class Topology:
             if self.rank in ranks:
                 mine = group
         return mine
+
+
+# mesh dimension names that are not data parallel: the usual short ones and Lightning's ModelParallelStrategy's
+_MESH_ROLES = {"tp": "tp", "pp": "pp", "tensor_parallel": "tp", "pipeline_parallel": "pp"}
+
+
+def _flattened(mesh: Any, data: list[str]) -> Any:
+    """The dimension a framework flattened all of ``data`` into (Accelerate, torchtitan: ``dp``, ``dp_cp``), or None.
+
+    Flattened dimensions are looked up by those usual names; only one spanning every
+    rank of ``data`` (its size is their product, each being > 1) is the data-parallel one.
+    """
+    size = math.prod(mesh.size(mesh.mesh_dim_names.index(n)) for n in data)
+    for name in ("dp", "dp_cp", "dp_shard_cp"):
+        try:
+            sub = mesh[name]
+        except KeyError:
+            continue
+        if sub.ndim == 1 and sub.size() == size:
+            return sub
+    return None
 
 
 def mp_rank_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:

@@ -1,0 +1,416 @@
+"""Lightning checkpoints through shardpoint: :class:`ShardpointCheckpointIO`.
+
+Usage (nothing else changes)::
+
+    from shardpoint.integrations.lightning import ShardpointCheckpointIO
+
+    trainer = Trainer(
+        plugins=[ShardpointCheckpointIO(async_save=True)],  # any Checkpointer options
+        strategy="ddp",  # or ModelParallelStrategy(...), or one device
+        callbacks=[ModelCheckpoint(dirpath="runs/ckpt", every_n_train_steps=100, save_last=True)],
+    )
+    trainer.fit(model, ckpt_path="last")
+
+**Why a CheckpointIO alone is not enough, and what the plugin hooks into.** Lightning
+calls a ``CheckpointIO`` from ``Strategy.save_checkpoint`` on global rank 0 only, and
+``ModelParallelStrategy`` does not call it at all (it runs DCP itself). A sharded save
+needs every rank. So when Lightning hands this plugin to a strategy (the
+``Strategy.checkpoint_io`` setter, which the plugin wraps once per process; Lightning
+calls it while building the ``Trainer``), the plugin adapts that one strategy object:
+its class becomes a subclass carrying the methods of :class:`_ShardpointStrategy`, which
+
+* sends ``save_checkpoint`` and ``load_checkpoint`` to the plugin on every rank;
+* restores after the strategy's setup (``restore_checkpoint_after_setup``), also
+  under DDP, so that the optimizer exists and one load fills model and optimizer in
+  place; Lightning's own ``load_model_state_dict`` / ``load_optimizer_state_dict``
+  then have nothing left to do, as under ``ModelParallelStrategy``;
+* gives Lightning's checkpoint dict references to the live weights and optimizer
+  state instead of the gathered CPU copies ``ModelParallelStrategy`` would make (the
+  plugin saves the model and optimizer themselves);
+* commits a pending async save at ``teardown`` (which ``ModelParallelStrategy`` does not
+  forward to its CheckpointIO).
+
+``remove_checkpoint`` is left as Lightning has it: rank 0 calls the plugin, which
+retires the directory the way shardpoint's own retention does.
+
+**Where checkpoints go.** Each path ``ModelCheckpoint`` chooses (``D/epoch=0-step=4.ckpt``,
+``D/last.ckpt``) becomes one committed shardpoint checkpoint directory at that path: a
+:class:`~shardpoint.checkpointer.Checkpointer` rooted at ``D`` with the layout
+:func:`~shardpoint.catalog.layout.named` writes into a temporary directory, renames it
+into place with its ``shardpoint.json`` and then writes the tracker ``D/.<name>.latest``.
+A save that dies leaves nothing under the final name, so ``ckpt_path="last"`` never
+meets a half-written checkpoint. The Checkpointers of ``D`` share its writer lock, so at
+most one holds it: the plugin closes the others (committing their async saves) before a
+save, and keeps the two most recent open so that ``last.ckpt`` reuses its staging
+memory and save plan.
+
+**What is saved.** The model (``DTensor`` shards under ``ModelParallelStrategy``) and its
+optimizer as a :class:`~shardpoint.state.train_state.TrainState`, in shardpoint's sharded
+format, reshardable; per-rank RNG (restored on a resumed ``fit``, which Lightning's own
+checkpoints do not do); and the rest of Lightning's dict (``epoch``, ``global_step``,
+``loops``, ``callbacks``, ``lr_schedulers``, hyperparameters, ``on_save_checkpoint``
+additions) as ``extra``: rank 0's, as in Lightning's own files, stored with the
+checkpoint and read back with ``torch.load(weights_only=True)``, never unpickling an
+object. Values there that such a load could not read are refused when saving.
+
+Limits: one optimizer; ``strategy="ddp"`` (not ``ddp_spawn``/``ddp_notebook``, whose
+launcher calls the CheckpointIO on one rank to move weights), ``ModelParallelStrategy``
+and single-device strategies; ``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused.
+An ``on_load_checkpoint`` hook that edits ``checkpoint["state_dict"]`` changes nothing,
+since the weights are already loaded (as under ``ModelParallelStrategy``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import posixpath
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
+
+from shardpoint.catalog.layout import named
+from shardpoint.catalog.metadata import MARKER_NAME
+from shardpoint.checkpointer import Checkpointer
+from shardpoint.errors import CheckpointError
+from shardpoint.lifecycle import commit
+from shardpoint.parallel import comm
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.sharding import is_dtensor
+from shardpoint.state.train_state import TrainState
+from shardpoint.storage.base import open_storage
+
+__all__ = ["ShardpointCheckpointIO"]
+
+log = logging.getLogger(__name__)
+
+# Checkpointer options that Lightning decides: ModelCheckpoint names the paths, says when to save and what to keep
+_DECIDED = {
+    "layout": "ModelCheckpoint names every checkpoint",
+    "save_interval": "ModelCheckpoint(every_n_train_steps=...) decides when to save",
+    "save_interval_minutes": "ModelCheckpoint(train_time_interval=...) decides when to save",
+    "keep_last": "ModelCheckpoint(save_top_k=...) decides what to keep",
+    "keep_every": "ModelCheckpoint(save_top_k=...) decides what to keep",
+    "keep_best": "ModelCheckpoint(save_top_k=..., monitor=...) decides what to keep",
+    "topology": "it is read from the strategy (its device mesh under ModelParallelStrategy)",
+    "upload_to": "ModelCheckpoint's removals would not reach the remote copies",
+    "node_local": "it only applies with upload_to",
+}
+_TENSOR_KEYS = ("state_dict", "optimizer_states")  # what the plugin saves from the live objects instead
+_OPEN_CHECKPOINTERS = 2  # last.ckpt and the newest top-k name
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
+
+
+class ShardpointCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves sharded, committed, checksummed shardpoint checkpoints.
+
+    Pass it as ``Trainer(plugins=[ShardpointCheckpointIO(**checkpointer_options)])``;
+    the options go to every :class:`~shardpoint.checkpointer.Checkpointer` it makes
+    (``async_save``, ``config``, ``verify``, ``format``, ...). How it takes part on every
+    rank is in the module docstring.
+
+    Raises:
+        ValueError: an option Lightning decides was given (the message says what decides it).
+    """
+
+    def __init__(self, **checkpointer_options: Any):
+        super().__init__()
+        refused = sorted(set(checkpointer_options) & set(_DECIDED))
+        if refused:
+            reasons = "; ".join(f"{k}: {_DECIDED[k]}" for k in refused)
+            raise ValueError(f"ShardpointCheckpointIO does not take {refused} ({reasons})")
+        self.options = dict(checkpointer_options)
+        self.strategy: Strategy | None = None
+        self._topology: Topology | None = None
+        self._open: OrderedDict[str, Checkpointer] = OrderedDict()
+        _hook_attach()
+
+    # ------------------------------------------------------------ attaching
+    def connect(self, strategy: Strategy) -> None:
+        """Adapt ``strategy`` so that every rank saves and loads through this plugin (see the module docstring).
+
+        Called by Lightning's ``Strategy.checkpoint_io`` setter, which the plugin wraps.
+
+        Raises:
+            ValueError: the strategy is one this plugin cannot serve, or the plugin already serves another.
+        """
+        _check_strategy(strategy)
+        if self.strategy is not None and self.strategy is not strategy:
+            raise ValueError("a ShardpointCheckpointIO serves one Trainer; make one per Trainer")
+        if type(strategy) not in _ORIGINAL:
+            strategy.__class__ = _adapted(type(strategy))
+        self.strategy = strategy
+
+    # --------------------------------------------------------------- saving
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Save Lightning's ``checkpoint`` as the shardpoint checkpoint directory ``path``; every rank calls this.
+
+        Raises:
+            CheckpointError: a value outside the weights and optimizer state is not plain
+                data (named in the message), or the save failed on any rank.
+        """
+        if storage_options is not None:
+            raise TypeError("ShardpointCheckpointIO.save_checkpoint(..., storage_options=...) is not supported")
+        strategy = self._connected()
+        path = comm.broadcast(os.fspath(path))  # rank 0's path on every rank, as ModelParallelStrategy does
+        # a copy: Lightning goes on changing some of it (ModelCheckpoint's best_k_models) while an async save writes
+        extra = copy.deepcopy({k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS})
+        _check_plain(extra, "checkpoint")
+        state = self._train_state(strategy, with_optimizer="optimizer_states" in checkpoint)
+        state.extra = extra
+        self._checkpointer(path).save(int(checkpoint["global_step"]), state)
+
+    # -------------------------------------------------------------- loading
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the shardpoint checkpoint ``path`` into the live model and optimizer; every rank calls this.
+
+        Returns Lightning's checkpoint dict: what was saved besides the tensors, with
+        ``state_dict`` and ``optimizer_states`` referring to the (already filled) live
+        objects. A resumed ``fit`` also restores the optimizer and each rank's RNG;
+        ``validate``/``test``/``predict`` load the weights only. ``map_location`` and
+        ``weights_only`` have no effect: tensors load into the live ones, and nothing is
+        ever unpickled.
+
+        Raises:
+            CheckpointError: ``path`` is not a committed shardpoint checkpoint.
+            CorruptCheckpointError: a file is damaged (named in the message).
+        """
+        strategy = self._connected()
+        path = comm.broadcast(os.fspath(path))
+        self._close_open()  # commit pending saves first: the load may be of one of them
+        module = strategy.lightning_module
+        fitting = module.trainer.state.fn == "fit"
+        state = self._train_state(strategy, with_optimizer=fitting)
+        ckpt = self._checkpointer(path)
+        result = ckpt.load(
+            state, load_optimizer=state.optimizer is not None, load_rng=fitting, strict=module.strict_loading
+        )
+        if result is None:
+            raise _not_a_checkpoint(path)
+        loaded = dict(result.extra)
+        loaded["state_dict"] = module.state_dict()
+        if state.optimizer is not None:
+            loaded["optimizer_states"] = [state.optimizer.state_dict()]
+        return loaded
+
+    # ------------------------------------------------------------- removing
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint directory ``path`` and its tracker (Lightning calls this on rank 0).
+
+        Only a committed shardpoint checkpoint is deleted, through the same rename-then-delete
+        as shardpoint's retention; anything else at ``path`` is left alone with a warning.
+        """
+        root, name = _split(os.fspath(path))
+        storage = open_storage(root)
+        target = storage.join(storage.root, name)
+        if not storage.exists(target):
+            return
+        if not storage.exists(storage.join(target, MARKER_NAME)):
+            log.warning("not removing %s: it is not a shardpoint checkpoint (no %s)", target, MARKER_NAME)
+            return
+        commit.retire(storage, storage.root, name)
+        tracker = storage.join(storage.root, named(name).tracker_name)
+        if storage.exists(tracker):
+            storage.remove(tracker)
+        log.info("removed %s", target)
+
+    def teardown(self) -> None:
+        """Commit a pending async save and let go of the save directories (every rank)."""
+        self._close_open()
+        self._open.clear()
+
+    # --------------------------------------------------------------- helpers
+    def _connected(self) -> Strategy:
+        if self.strategy is None:
+            raise CheckpointError(
+                "ShardpointCheckpointIO is not attached to a strategy: pass it as Trainer(plugins=[...]) "
+                "or DDPStrategy(checkpoint_io=...), and use a strategy it supports (see its docstring)"
+            )
+        return self.strategy
+
+    def _checkpointer(self, path: str) -> Checkpointer:
+        """The Checkpointer of ``path``'s directory, the only one of the root holding its writer lock."""
+        self._close_open(keep=path)
+        ckpt = self._open.pop(path, None)
+        if ckpt is None:
+            root, name = _split(path)
+            ckpt = Checkpointer(root, layout=named(name), topology=self._topology_of(), **self.options)
+        self._open[path] = ckpt
+        while len(self._open) > _OPEN_CHECKPOINTERS:
+            self._open.popitem(last=False)  # already closed: it just lets go of its staging memory
+        return ckpt
+
+    def _close_open(self, keep: str | None = None) -> None:
+        """Close every open Checkpointer but ``keep``'s (committing pending saves; same order on every rank)."""
+        for path, ckpt in self._open.items():
+            if path != keep:
+                ckpt.close()
+
+    def _topology_of(self) -> Topology:
+        """Built once: its process groups are made on first use and reused by every save."""
+        if self._topology is None:
+            strategy = self.strategy
+            if isinstance(strategy, ModelParallelStrategy):
+                self._topology = Topology.from_mesh(strategy.device_mesh)
+            else:
+                self._topology = Topology(1, 1, comm.world_size())
+        return self._topology
+
+    @staticmethod
+    def _train_state(strategy: Strategy, with_optimizer: bool) -> TrainState:
+        optimizers = list(strategy.optimizers) if with_optimizer else []
+        if len(optimizers) > 1:
+            raise CheckpointError(
+                f"ShardpointCheckpointIO saves one optimizer, but configure_optimizers returned {len(optimizers)}; "
+                "combine their parameter groups into one optimizer, or use Lightning's own checkpointing"
+            )
+        return TrainState(model=strategy.lightning_module, optimizer=optimizers[0] if optimizers else None)
+
+
+class _ShardpointStrategy:
+    """What the strategy a :class:`ShardpointCheckpointIO` serves does differently (see the module docstring).
+
+    Not a base class: :func:`_adapted` copies these into a direct subclass of the
+    strategy's class, the only kind of class an object's ``__class__`` may become.
+    """
+
+    checkpoint_io: ShardpointCheckpointIO
+    lightning_module: Any
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the optimizer must exist: one load fills model and optimizer in place
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint already did
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options)  # every rank
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # filled in place by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # filled in place by load_checkpoint
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()  # references, no gathered copy: the plugin saves the model
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return getattr(optimizer, "_optimizer", optimizer).state_dict()  # references, as above
+
+    def teardown(self) -> None:
+        self.checkpoint_io.teardown()  # ModelParallelStrategy.teardown does not call it
+        _ORIGINAL[type(self)].teardown(self)
+
+
+_ADAPTED: dict[type, type] = {}  # strategy class -> its adapted subclass
+_ORIGINAL: dict[type, type] = {}  # and back
+
+
+def _adapted(cls: type) -> type:
+    """A direct subclass of ``cls`` with the methods of :class:`_ShardpointStrategy`, made once per class."""
+    if cls not in _ADAPTED:
+        methods = {k: v for k, v in vars(_ShardpointStrategy).items() if not k.startswith("__")}
+        adapted = type(f"Shardpoint{cls.__name__}", (cls,), {**methods, "__module__": __name__})
+        _ADAPTED[cls], _ORIGINAL[adapted] = adapted, cls
+    return _ADAPTED[cls]
+
+
+def _hook_attach() -> None:
+    """Wrap ``Strategy.checkpoint_io``'s setter so that assigning a plugin connects it (once per process).
+
+    Lightning builds the strategy and assigns the plugin to it inside ``Trainer()``;
+    there is no other call into a ``CheckpointIO`` before the first save.
+    """
+    prop = Strategy.__dict__["checkpoint_io"]
+    if getattr(prop.fset, "shardpoint_attach", False):
+        return
+    original = prop.fset
+
+    def fset(strategy: Strategy, io: Any) -> None:
+        original(strategy, io)
+        if isinstance(io, ShardpointCheckpointIO):
+            io.connect(strategy)
+
+    fset.shardpoint_attach = True  # type: ignore[attr-defined]
+    Strategy.checkpoint_io = property(prop.fget, fset, prop.fdel, prop.__doc__)  # type: ignore[method-assign]
+
+
+def _check_strategy(strategy: Strategy) -> None:
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(
+        strategy, (DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy)
+    ):
+        raise ValueError(
+            f"ShardpointCheckpointIO does not support {type(strategy).__name__}: use strategy='ddp', "
+            "ModelParallelStrategy (FSDP2 through fully_shard in configure_model) or a single device"
+        )
+    start = getattr(strategy, "_start_method", "popen")
+    if start != "popen":
+        raise ValueError(
+            f"ShardpointCheckpointIO does not support DDP started with {start!r} (ddp_spawn, ddp_notebook): "
+            "that launcher moves the weights back through the CheckpointIO on one rank; use strategy='ddp'"
+        )
+
+
+def _split(path: str) -> tuple[str, str]:
+    """``(save directory, checkpoint name)`` of a checkpoint path, local or ``s3://``."""
+    if "://" in path:
+        root, name = posixpath.split(path.rstrip("/"))
+    else:
+        root, name = os.path.split(os.path.abspath(path))
+    return root, name
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse what ``torch.load(weights_only=True)`` could not read back, naming where it is.
+
+    Raises:
+        CheckpointError: ``value`` holds an object other than plain data and tensors.
+    """
+    kind = type(value)
+    if kind in (dict, OrderedDict):
+        for key, item in value.items():
+            _check_plain(key, f"{where} key {key!r}")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif kind in (list, tuple, set):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif kind in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(value):
+        return
+    elif kind not in _PLAIN:
+        raise CheckpointError(
+            f"{where} is a {kind.__module__}.{kind.__qualname__}; besides the weights and optimizer state, "
+            "a shardpoint checkpoint holds plain data only (numbers, strings, lists, dicts, tensors), read back "
+            "without unpickling objects: store it as such (e.g. vars(namespace), float(x), str(path))"
+        )
+
+
+def _not_a_checkpoint(path: str) -> CheckpointError:
+    root, name = _split(path)
+    storage = open_storage(root)
+    target = storage.join(storage.root, name)
+    if storage.exists(target) and not storage.is_dir(target):
+        return CheckpointError(
+            f"{target} is a file, not a shardpoint checkpoint (a checkpoint Lightning wrote itself?); load it "
+            "with Lightning's default CheckpointIO, or resume from a checkpoint ShardpointCheckpointIO saved"
+        )
+    return CheckpointError(
+        f"{target} holds no committed shardpoint checkpoint (no {MARKER_NAME}: missing, or its save did not "
+        "finish); pass another ckpt_path"
+    )
