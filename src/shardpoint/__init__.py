@@ -18,6 +18,7 @@ from shardpoint.errors import (
     UnsafeCheckpointError,
     ValidationError,
 )
+from shardpoint.formats.hf_weights import load_hf_weights, save_hf_weights
 from shardpoint.lifecycle.node_local import NodeLocalError, PartialCheckpointError
 from shardpoint.lifecycle.policy import BestN, EveryNMinutes, EveryNSteps, KeepEvery, LatestN
 from shardpoint.parallel.topology import Topology
@@ -58,7 +59,9 @@ __all__ = [
     "__version__",
     "column_parallel",
     "divide",
+    "load_hf_weights",
     "row_parallel",
+    "save_hf_weights",
     "shard_along",
     "vocab_parallel",
 ]
