@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("state", ("shardpoint.state",)),
     ("formats", ("shardpoint.formats",)),
     ("lifecycle", ("shardpoint.lifecycle",)),
+    ("tier", ("shardpoint.tier",)),
     ("checkpointer", ("shardpoint.checkpointer",)),
     ("api", ("shardpoint",)),
     ("offline", ("shardpoint.offline",)),

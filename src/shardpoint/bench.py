@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardpoint.commands.bench_states import SHAPE_PRESETS, preset_state, state_bytes, synthetic_state
+from shardpoint.commands.bench_tier import tier_rounds
 from shardpoint.storage.base import open_storage
 
 __all__ = ["BenchConfig", "add_parser", "parse_size", "run_bench"]
@@ -287,6 +288,8 @@ def _worker(rank: int, world: int, port: int, config: dict[str, Any], root: str,
             peak = float(_peak_rss_during(lambda: m.sp_save(async_save=True).wait()))
             staging = float(m._ckpts["sp_async"].staging_bytes)  # the slab that snapshot kept
             times = _main_rounds(m, config["repeat"])
+            if m.storage.is_local:  # the local tier writes node-local directories
+                times.update(tier_rounds(m, config["repeat"]))
             times["async peak extra RSS"] = [peak]
             times["staging bytes per rank"] = [staging]
             times["bytes per rank"] = [float(_bytes_written(m.path("sp"), rank))]
@@ -469,6 +472,7 @@ def summarize(directory: str, config: BenchConfig, main: list[dict], reshard: li
     wanted = {
         "async stall / memory copy": ("shardpoint async stall", "memory copy", "<=", 1.5),
         "async stall / sync save": ("shardpoint async stall", "shardpoint save", "<=", 0.10),
+        "local-tier stall / memory copy": ("local tier stall", "memory copy", "<=", 1.5),
         "write limit time / save time": ("sequential write+fsync", "shardpoint save", ">=", 0.8),
         "save / torch.save per rank": ("shardpoint save", "torch.save per rank", "<=", 1.0),
         "replica check (worst case) / save": ("replica check, all bytes hashed", "shardpoint save", "<=", 0.1),

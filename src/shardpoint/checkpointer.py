@@ -9,6 +9,10 @@ A load: :class:`~shardpoint.lifecycle.load_pipeline.LoadPipeline` finds the chec
 (rank 0 decides, everyone receives the one answer), opens its sources, checks the
 config and the files, and the format fills the live tensors in place.
 
+With ``local_dir`` there is a second, non-persistent tier (:mod:`shardpoint.tier`):
+``maybe_save`` writes it when no persistent save is due, and ``load`` takes the
+newest iteration complete across all ranks from either tier.
+
 Each step that can fail locally runs under :func:`shardpoint.parallel.comm.agree`, so a
 failure on one rank is raised on all ranks instead of leaving the others waiting in
 a collective.
@@ -24,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from shardpoint.catalog.layout import Layout, get_layout
+from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.formats import get_format
 from shardpoint.lifecycle.discovery import LoadSources
 from shardpoint.lifecycle.load_pipeline import LoadOptions, LoadPipeline, LoadResult
@@ -39,6 +44,7 @@ from shardpoint.state.train_state import (
     collect,
 )
 from shardpoint.storage.base import open_storage
+from shardpoint.tier import LocalTier, LocalTierOptions
 
 __all__ = ["VALIDATION_FILE", "Checkpointer", "LoadResult"]
 
@@ -76,6 +82,14 @@ class Checkpointer:
         replica_check_interval: compare tensors that several ranks hold (declared
             replicas) by hash on the first save and every N-th save after it (1: every
             save, 0: never); a mismatch stops the save. See :mod:`shardpoint.state.replicas`.
+        local_dir: the non-persistent tier: a node-local path (NVMe, or RAM such as
+            ``/dev/shm/run``) where ``maybe_save`` writes a checkpoint every
+            ``local_interval`` steps, asynchronously; an iteration due for both tiers is
+            saved persistently only. See :mod:`shardpoint.tier`.
+        local_interval: steps between local checkpoints (needs ``local_dir``).
+        local_keep: local checkpoints kept on each node, replicas included.
+        local_replicas: copies of each rank's files held by ranks on other nodes, sent
+            over shardpoint's gloo group in the background (no shared filesystem).
 
     Example:
         >>> ckpt = Checkpointer("runs/gpt", topology=topo, save_interval=100, keep_last=3)
@@ -107,6 +121,10 @@ class Checkpointer:
         upload_to: str | None = None,
         node_local: bool | None = None,
         replica_check_interval: int = 1,
+        local_dir: str | None = None,
+        local_interval: int | None = None,
+        local_keep: int = 2,
+        local_replicas: int = 1,
     ):
         if async_save and format != "dist":
             raise ValueError(f"async_save=True needs format='dist' (got format={format!r})")
@@ -151,6 +169,7 @@ class Checkpointer:
             node=self._node,
             mirror=self.mirror,
         )
+        self.local_tier = _local_tier(local_dir, local_interval, local_keep, local_replicas, self, self.topology)
 
     # what saves cost (see SaveTimes), for trainers that keep it out of their throughput
     last_stall_seconds = property(lambda self: self._saver.times.last_stall_seconds)
@@ -159,6 +178,8 @@ class Checkpointer:
     total_save_seconds = property(lambda self: self._saver.times.total_save_seconds)
     # host memory this rank keeps for staging (the async snapshot, GPU tensors of sync saves)
     staging_bytes = property(lambda self: self._saver.staging.nbytes)
+    # what local-tier saves cost (stall, write, replication), None without local_dir
+    local_times = property(lambda self: self.local_tier.times if self.local_tier else None)
 
     # ----------------------------------------------------------------- saving
     def maybe_save(
@@ -169,7 +190,10 @@ class Checkpointer:
         metrics: Mapping[str, float] | None = None,
         validation_logits: Any = None,
     ) -> bool:
-        """Save if the save policy says so at ``iteration``; returns whether it saved.
+        """Save if the save policy says so at ``iteration``; returns whether it saved (either tier).
+
+        A persistent save when ``save_interval`` is due; otherwise, with ``local_dir``, a
+        local-tier save when ``local_interval`` is due (asynchronous, with its replicas).
 
         ``validation_logits`` may be a callable, called (on every rank) only when a
         save happens, since computing logits costs a forward pass.
@@ -181,6 +205,9 @@ class Checkpointer:
         if decision and iteration != self.last_saved_iteration:
             self.save(iteration, state, metrics=metrics, validation_logits=validation_logits)
             return True
+        if self.local_tier is not None and self.local_tier.is_due(iteration):
+            self.local_tier.save(iteration, state)  # non-persistent, in the background
+            return True
         return False
 
     def save(
@@ -190,6 +217,7 @@ class Checkpointer:
         *,
         metrics: Mapping[str, float] | None = None,
         validation_logits: Any = None,
+        files: Mapping[str, bytes] | None = None,
     ) -> str:
         """Save now; every rank calls this. Returns the checkpoint directory.
 
@@ -198,6 +226,11 @@ class Checkpointer:
         (None elsewhere). They are stored as ``validation_logits.pt``, checksummed and
         named in ``shardpoint.json``; after a load, compare them with
         :meth:`LoadResult.read_validation_logits`.
+
+        ``files``: small files, ``{name: bytes}``, written into the checkpoint directory
+        beside the data, checksummed and listed in ``shardpoint.json``, so they are
+        committed with it: a framework's own metadata (the Hugging Face ``Trainer``'s
+        ``trainer_state.json``). Passed by the rank that writes them (None elsewhere).
 
         Synchronous saves are committed when this returns. With ``async_save`` this
         returns after copying the state to host memory; the checkpoint is committed by
@@ -216,6 +249,7 @@ class Checkpointer:
         flat = collect(state, iteration=iteration)
         logits = validation_logits() if callable(validation_logits) else validation_logits
         attachments = {VALIDATION_FILE: logits} if logits is not None else {}
+        attachments.update(_checked_files(files))
         path = self._saver.start(
             iteration, flat, metrics or {}, state.extra, background=self.async_save, attachments=attachments
         )
@@ -232,12 +266,15 @@ class Checkpointer:
         return self._saver.start(None, flat, {}, state.extra, update_tracker=update_tracker)
 
     def wait(self) -> None:
-        """Block until a pending async save is committed (raising its error, if any) and old ones are deleted."""
+        """Block until a pending async save (and local-tier save, replicas included) is committed and old ones deleted.
+
+        Raises the error of a failed background save, if any.
+        """
         self._finalize(blocking=True)
         self._saver.wait_deletions()
 
     def close(self) -> None:
-        """Commit a pending async save, wait for background deletions, release the directory's writer lock."""
+        """Commit pending async and local-tier saves, wait for background deletions, release the writer lock."""
         try:
             self._finalize(blocking=True)
         finally:
@@ -251,10 +288,12 @@ class Checkpointer:
         self.close()
 
     def _finalize(self, blocking: bool) -> None:
-        """Commit the pending async save, then the pending upload, once every rank is done with it."""
+        """Commit the pending async save, the pending upload and the pending local save, once every rank is done."""
         self._saver.finalize(blocking)
         if self.mirror is not None:
             self.mirror.poll(blocking)
+        if self.local_tier is not None:
+            self.local_tier.poll(blocking)
 
     # ---------------------------------------------------------------- loading
     def load(
@@ -309,7 +348,40 @@ class Checkpointer:
         )
         self._finalize(blocking=True)
         self._saver.wait_deletions()  # a load may name an old iteration that retention is deleting
+        if self.local_tier is not None:  # the newest complete iteration of any tier (see shardpoint.tier)
+            return self.local_tier.load(state, opts, self._loader)
         return self._loader.run(state, opts)
+
+
+def _checked_files(files: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    """``files`` of :meth:`Checkpointer.save`, each a plain file name holding bytes (checked before any write)."""
+    checked = {}
+    for name, data in (files or {}).items():
+        if not isinstance(data, bytes):
+            raise TypeError(f"save(files=...): {name!r} must hold bytes, got {type(data).__name__}")
+        if not name or "/" in name or "\\" in name or name.startswith(".") or name in (MARKER_NAME, VALIDATION_FILE):
+            raise ValueError(
+                f"save(files=...): {name!r} is not a plain file name of its own (no '/', no leading '.', "
+                f"not {MARKER_NAME} or {VALIDATION_FILE}); rename it"
+            )
+        checked[name] = data
+    return checked
+
+
+def _local_tier(
+    local_dir: str | None, interval: int | None, keep: int, replicas: int, ckpt: Checkpointer, topology: Topology
+) -> LocalTier | None:
+    """The non-persistent tier, or None without ``local_dir`` (collective when there is one)."""
+    if local_dir is None:
+        if interval is not None:
+            raise ValueError("local_interval needs local_dir=, the node-local directory to save into")
+        return None
+    if interval is None:
+        raise ValueError(f"local_dir={local_dir!r} needs local_interval=N (steps between local checkpoints)")
+    if ckpt.storage.is_local and os.path.abspath(local_dir) == os.path.abspath(ckpt.root):
+        raise ValueError(f"local_dir must differ from the persistent path {ckpt.root}: the tiers never mix")
+    options = LocalTierOptions(local_dir=local_dir, local_interval=interval, local_keep=keep, local_replicas=replicas)
+    return LocalTier(options, topology, ckpt.config)
 
 
 def default_thread_count() -> int:

@@ -14,9 +14,12 @@ Sizes are checked; checksums are ``shardpoint verify``'s job.
 
 A Megatron-LM (legacy ``torch``, ``torch_dist``) or DeepSpeed checkpoint directory,
 or a save directory of one, is described too, without converting it: tool, format,
-iteration, tp/pp/dp, optimizer sharding (distributed optimizer, ZeRO stage), the
-model's defining args and, with ``--tensors``, every parameter under its global name
-(global layer numbers, TP pieces joined) with the optimizer state it has. Its pickles
+iteration, tp/pp/dp, optimizer sharding (distributed optimizer, ZeRO stage) and, for
+``torch_dist``, the distributed optimizer's layout (``dp_reshardable`` bucket space or
+``fully_reshardable``, decoded per parameter; a layout that cannot be decoded is named
+as a problem and the weights are still described), the model's defining args and,
+with ``--tensors``, every parameter under its global name (global layer numbers, TP
+pieces joined) with the optimizer state it has. Its pickles
 go through the allow-list of :mod:`shardpoint.foreign`. Limit: those readers assemble
 whole tensors, so this reads every file of the checkpoint (optimizer state included)
 into memory; inspecting a large foreign checkpoint costs its size in RAM and time.
@@ -50,6 +53,7 @@ from shardpoint.formats.dist import COMMON_FILE
 from shardpoint.formats.torch_format import MAIN_FILE
 from shardpoint.lifecycle import commit
 from shardpoint.storage.base import Storage, open_storage
+from shardpoint.tier.marker import describe_local_dir, holds_local_tier
 
 __all__ = ["add_parser", "describe_directory", "describe_foreign", "read_common", "run"]
 
@@ -87,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     foreign_dir = _foreign_directory(path, args.iteration) if storage.is_local else None
     if foreign_dir is not None:
         return _show_foreign(out, path, foreign_dir, args.tensors)
+    if args.iteration is None and holds_local_tier(storage, path):
+        return _show_local_tier(out, storage, path)
     if args.iteration is not None or args.tensors or offline.is_checkpoint_dir(path, storage):
         return _show_one(out, storage, path, args.iteration, args.tensors)
     return _show_directory(out, storage, path)
@@ -200,6 +206,32 @@ def _show_directory(out: Output, storage: Storage, root: str) -> int:
             out.problem(f"{row['name']}: partial checkpoint, not committed (no {MARKER_NAME}); it is never loaded")
     bad = tracker["problem"] or any(not r["committed"] for r in report["checkpoints"])
     return EXIT_PROBLEM if bad else EXIT_OK
+
+
+def _show_local_tier(out: Output, storage: Storage, root: str) -> int:
+    """A node's ``local_dir``: its non-persistent checkpoints (own ranks' files and replicas held for others)."""
+    report = describe_local_dir(storage, root)
+    out.emit_json(report)
+    table = new_table("checkpoint", "iteration", "saved", "tp/pp/dp", "ranks held", "size", "tier", title=root)
+    for row in report["checkpoints"]:
+        topo, held = row["topology"], row["ranks_held"]
+        table.add_row(
+            row["name"],
+            str(row["iteration"]),
+            human_time(row["wall_time"]),
+            f"{topo['tp']}/{topo['pp']}/{topo['dp']}",
+            f"{len(held)} of {row['world_size']} ({', '.join(map(str, held[:8]))}{', ...' if len(held) > 8 else ''})",
+            human_bytes(row["bytes"]),
+            "[yellow]non-persistent[/yellow] (local tier)",
+        )
+    out.print(table)
+    out.print(
+        "local-tier checkpoints are non-persistent: a Checkpointer with this local_dir loads them at the layout "
+        "they were saved at, and they are never a persistent checkpoint (no shardpoint.json, no tracker)"
+    )
+    for name in report["leftovers"]:
+        out.print(f"leftover of an interrupted local save: {name} (removed at the next start)")
+    return EXIT_OK
 
 
 # ----------------------------------------------------------------- one checkpoint
@@ -364,7 +396,13 @@ def describe_foreign(path: str, directory: str, tensors: bool = False) -> dict[s
     """
     from shardpoint.foreign import read_foreign
 
-    ckpt = read_foreign(directory)
+    try:
+        ckpt, optimizer_problem = read_foreign(directory), None
+    except CheckpointError as exc:
+        try:  # the weights may still be readable when only the optimizer state is not
+            ckpt, optimizer_problem = read_foreign(directory, optimizer=False), str(exc)
+        except CheckpointError:
+            raise exc from None
     files = [os.path.join(d, f) for d, _, names in os.walk(directory) for f in names]
     model = {k: _plain(ckpt.args[k]) for k in MODEL_ARGS if ckpt.args.get(k) is not None}
     if not ckpt.args.get("group_query_attention", True):
@@ -377,6 +415,8 @@ def describe_foreign(path: str, directory: str, tensors: bool = False) -> dict[s
         "bytes": sum(os.path.getsize(f) for f in files),
         "parameter_bytes": sum(t.numel() * t.element_size() for t in ckpt.params.values()),
         "checkpoint_version": ckpt.extra.get("checkpoint_version"),
+        "optimizer_layout": ckpt.extra.get("optimizer_layout"),
+        "optimizer_problem": optimizer_problem,
         "model": model,
         "args": ckpt.args,
         "iterations_in_save_directory": siblings,
@@ -402,6 +442,10 @@ def _plain(value: Any) -> Any:
     return value["__dtype__"] if isinstance(value, dict) and "__dtype__" in value else value
 
 
+_LAYOUT_TEXT = {
+    "dp_reshardable": "dp_reshardable layout (bucket space), decoded per parameter",
+    "fully_reshardable": "fully_reshardable layout (model space)",
+}
 _ITERATION_DIR = re.compile(r"iter_\d+|global_step\d+|release")
 
 
@@ -410,6 +454,8 @@ def _show_foreign(out: Output, path: str, directory: str, tensors: bool) -> int:
     out.emit_json(report)
     sharding = report["optimizer_sharding"]
     text = _SHARDING_TEXT.get(sharding) or sharding.replace("zero-", "ZeRO stage ")
+    if report["optimizer_layout"]:
+        text += f", {_LAYOUT_TEXT.get(report['optimizer_layout'], report['optimizer_layout'])}"
     table = new_table("", "", title=directory)
     rows = [
         ("checkpoint of", f"{_TOOL_NAMES.get(report['tool'], report['tool'])}, read in place (not shardpoint's)"),
@@ -453,5 +499,9 @@ def _show_foreign(out: Output, path: str, directory: str, tensors: bool) -> int:
     others = [n for n in report["iterations_in_save_directory"] if n != os.path.basename(directory)]
     if others:
         out.print(f"other checkpoints in {path}: {', '.join(others)} (pass --iteration N)")
+    if report["optimizer_problem"]:
+        out.problem(f"optimizer state not decoded: {report['optimizer_problem']}")
+        out.print(f"import the weights with `shardpoint convert --from {report['tool']} {path} DST --no-optimizer`")
+        return EXIT_PROBLEM
     out.print(f"import it with `shardpoint convert --from {report['tool']} {path} DST`")
     return EXIT_OK

@@ -24,10 +24,11 @@ from typing import Any
 
 from shardpoint import offline
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes, new_table
-from shardpoint.errors import CorruptCheckpointError
+from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.lifecycle import commit
 from shardpoint.lifecycle.policy import CheckpointInfo, KeepEvery, LatestN, PreservationPolicy, select_for_deletion
 from shardpoint.storage.base import Storage, open_storage
+from shardpoint.tier.marker import holds_local_tier
 
 __all__ = ["add_parser", "plan", "run"]
 
@@ -74,6 +75,11 @@ def plan(root: str, policies: list[PreservationPolicy], storage: Storage | None 
     listed = commit.list_checkpoints(storage, root, layout) if layout else []
     found, tracked = commit.read_tracker(storage, root, layout) if layout else (False, None)
     if not listed and not found:
+        if holds_local_tier(storage, root):
+            raise CheckpointError(
+                f"{root} holds non-persistent local-tier checkpoints, not persistent ones: the Checkpointer with "
+                "this local_dir keeps local_keep of them per node; prune works on persistent save directories"
+            )
         offline.resolve(root, storage=storage)  # raises the one-sentence "not a checkpoint" error
     if found and not any(e.committed and e.iteration == tracked for e in listed):
         raise CorruptCheckpointError(

@@ -22,7 +22,15 @@ from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import LocalStorage, Storage
 from shardpoint.storage.safe_io import safe_torch_load
 
-__all__ = ["CheckpointFormat", "FormatContext", "Loaded", "read_torch_file", "unexpected_keys", "write_torch_file"]
+__all__ = [
+    "CheckpointFormat",
+    "FormatContext",
+    "Loaded",
+    "read_torch_file",
+    "unexpected_keys",
+    "write_file",
+    "write_torch_file",
+]
 
 
 @dataclass
@@ -96,6 +104,15 @@ def write_torch_file(obj: Any, path: str, storage: Storage | None = None) -> Fil
     with (storage or LocalStorage("/")).open_write(path) as raw, without_zip_crc32():
         writer = HashingWriter(raw)
         torch.save(obj, writer)
+        writer.flush()
+    return writer.record()
+
+
+def write_file(data: bytes, path: str, storage: Storage | None = None) -> FileRecord:
+    """``data`` written as it is, made durable before returning; its size and checksum, for the marker."""
+    with (storage or LocalStorage("/")).open_write(path) as raw:
+        writer = HashingWriter(raw)
+        writer.write(data)
         writer.flush()
     return writer.record()
 

@@ -7,7 +7,9 @@ given separated by ``;``. Points, in the order a save reaches them:
 ``before-data``, ``mid-data``, ``after-data``, ``before-marker``, ``before-tracker``,
 ``during-retention``, ``mid-retention`` (a checkpoint being deleted, after it stopped
 being one); and in local-first mode ``during-upload`` (each rank's background
-upload, before its first object).
+upload, before its first object); for the local tier ``local-after-data`` (each rank's
+background write, after its own file) and ``local-before-publish`` (after every rank
+agreed, before this rank renames its copies into place).
 
 Actions: ``kill`` (SIGKILL, the process dies on the spot), ``raise`` (an OSError,
 as a failing disk would), ``stall`` (sleep ``seconds``, default 30). Without the
@@ -33,6 +35,8 @@ POINTS = (
     "during-retention",
     "mid-retention",
     "during-upload",
+    "local-after-data",
+    "local-before-publish",
 )
 
 

@@ -66,6 +66,11 @@ class LoadResult:
         metadata: the parsed ``shardpoint.json``.
         bytes_read: bytes this rank read from the checkpoint's data files (``dist``: replicas
             split the reading, so about the checkpoint's size over the job, not per replica).
+        tier: where this rank's state came from: ``"persistent"`` (the save directory or
+            object store), ``"local"`` (a non-persistent copy on this rank's node) or
+            ``"peer"`` (a replica another node held, received over the process group).
+        source: that source in words (a directory, or the rank and path of the replica).
+        tiers: ``{rank: (tier, source)}`` for every rank of the job (the choice is collective).
     """
 
     iteration: int
@@ -76,6 +81,9 @@ class LoadResult:
     metadata: CheckpointMetadata
     storage: Storage | None = field(default=None, repr=False)  # node-local: valid until the next load or close()
     bytes_read: int = 0
+    tier: str = "persistent"
+    source: str = ""
+    tiers: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def read_validation_logits(self) -> Any:
         """What was passed as ``validation_logits`` at save (checksum-verified with the rest), or None."""
@@ -141,10 +149,36 @@ class LoadPipeline:
 
     def run(self, state: TrainState, opts: LoadOptions) -> LoadResult | None:
         """Every rank: load into ``state``; None when there is nothing to load."""
-        found = self._find(opts)
+        return self.run_found(state, opts, self.find(opts))
+
+    def run_found(self, state: TrainState, opts: LoadOptions, found: tuple[str, str, str] | None) -> LoadResult | None:
+        """Every rank: load what :meth:`find` returned (None: nothing to load)."""
         if found is None:
             return None
-        opened = self._open(found, opts)
+        return self._load_opened(state, self._open(found, opts), opts)
+
+    def run_opened(
+        self,
+        state: TrainState,
+        opts: LoadOptions,
+        fmt: CheckpointFormat,
+        storage: Storage,
+        path: str,
+        meta: CheckpointMetadata,
+        tiers: dict[int, tuple[str, str]],
+    ) -> LoadResult:
+        """Every rank: load a checkpoint that another component chose and opened (the local tier).
+
+        ``path`` on ``storage`` is this rank's own directory of it, read by ``fmt``;
+        ``tiers`` says where every rank's state comes from. The steps after ``open``
+        are the same as for a persistent checkpoint.
+        """
+        ctx = FormatContext(storage, path, self.topology, strict=opts.strict, thread_count=self.thread_count)
+        return self._load_opened(state, _Opened(meta, fmt, ctx, False), opts, tiers)
+
+    def _load_opened(
+        self, state: TrainState, opened: _Opened, opts: LoadOptions, tiers: dict[int, tuple[str, str]] | None = None
+    ) -> LoadResult:
         self._check_config(opened.meta, opened.path)
         streamed = self._verify(opened, opts)
         flat = self._collect_targets(state, opened, opts)
@@ -153,6 +187,7 @@ class LoadPipeline:
         log.info(
             "loaded %s (iteration %d%s)", opened.path, opened.meta.iteration, ", finetune" if opened.finetune else ""
         )
+        tiers = tiers or {r: ("persistent", opened.path) for r in range(comm.world_size())}
         return LoadResult(
             0 if opened.finetune else opened.meta.iteration,
             opened.meta.release,
@@ -162,13 +197,15 @@ class LoadPipeline:
             opened.meta,
             opened.storage,
             loaded.bytes_read,
+            *tiers[comm.rank()],
+            tiers,
         )
 
     def close(self) -> None:
         self.sources.close()
 
     # ------------------------------------------------------------------ steps
-    def _find(self, opts: LoadOptions) -> tuple[str, str, str] | None:
+    def find(self, opts: LoadOptions) -> tuple[str, str, str] | None:
         """Rank 0 decides, everyone receives the one answer: ``(where, directory, marker text)``."""
         return comm.from_root(
             lambda: self.sources.find(opts.iteration, opts.verify and opts.fallback), "finding the checkpoint"

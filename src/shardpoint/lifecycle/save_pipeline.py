@@ -32,9 +32,9 @@ import torch
 from shardpoint._version import __version__
 from shardpoint.catalog.layout import Layout
 from shardpoint.catalog.metadata import CheckpointMetadata
-from shardpoint.errors import StorageError
+from shardpoint.errors import CheckpointError, StorageError
 from shardpoint.formats import FormatContext
-from shardpoint.formats.base import CheckpointFormat, write_torch_file
+from shardpoint.formats.base import CheckpointFormat, write_file, write_torch_file
 from shardpoint.formats.dist_replay import SavePlanCache
 from shardpoint.lifecycle import commit, faults
 from shardpoint.lifecycle.async_save import BackgroundWrite
@@ -388,7 +388,16 @@ class SavePipeline:
             faults.hit("before-data", rank)
             records = self.format.save(ctx, pending.flat)
             for name, obj in pending.attachments.items():
-                records[name] = write_torch_file(obj, self.storage.join(ctx.directory, name), self.storage)
+                if name in records:
+                    raise CheckpointError(
+                        f"cannot save {name}: the {self.format.name} format writes a file of that name"
+                    )
+                path = self.storage.join(ctx.directory, name)
+                records[name] = (
+                    write_file(obj, path, self.storage)
+                    if isinstance(obj, bytes)
+                    else write_torch_file(obj, path, self.storage)
+                )
             faults.hit("mid-data", rank)
             faults.hit("after-data", rank)
         except (OSError, RuntimeError) as exc:

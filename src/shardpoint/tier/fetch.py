@@ -1,0 +1,93 @@
+"""A rank whose files are not on its node takes them from the peer that holds a replica.
+
+After :func:`shardpoint.tier.choose.choose`, every rank knows every rank's source.
+Each ``"peer"`` source becomes one :class:`~shardpoint.tier.replicate.Transfer` from
+the serving rank to the owner, over the control group; the owner writes what it
+receives into a temporary directory of its own ``local_dir``, hashing it on the way,
+and publishes it as its node's copy once the digest equals the record of the copy
+it was sent from. A replacement node therefore holds its ranks' newest local
+checkpoint again after its first load, before the next local save.
+
+Collective: every rank calls :func:`fetch` with the same choice, also ranks that
+neither send nor receive (they only join the outcome's agreement).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.parallel import comm
+from shardpoint.storage.base import LocalStorage
+from shardpoint.tier.choose import PEER, Choice, marker_of
+from shardpoint.tier.marker import mark_copy, publish_copy, tmp_copy_dir
+from shardpoint.tier.replicate import Transfer, exchange
+from shardpoint.tier.snapshot import DATA_FILE
+
+__all__ = ["fetch"]
+
+log = logging.getLogger(__name__)
+
+
+def fetch(storage: LocalStorage, root: str, choice: Choice) -> str:
+    """Collective: this rank's copy directory to load from, fetched from its peer when needed.
+
+    Raises:
+        CorruptCheckpointError: on every rank, when a received file differs from its
+            record or could not be stored (the caller then uses the persistent store).
+    """
+    me = comm.rank()
+    transfers = [
+        Transfer(owner, s.server, owner, DATA_FILE, s.offer.files[DATA_FILE].size)
+        for owner, s in sorted(choice.sources.items())
+        if s.tier == PEER
+    ]
+    mine = choice.sources[me]
+    tmp = tmp_copy_dir(storage, root, choice.iteration, me) if mine.tier == PEER else None
+    try:
+        errors = []
+        try:
+            if tmp is not None:
+                storage.makedirs(tmp)
+        except OSError as exc:  # the bytes are then discarded: the sender must still be served
+            errors.append(f"cannot create {tmp}: {exc}")
+        received, exchange_errors = exchange(
+            transfers,
+            lambda t: open(storage.join(choice.sources[t.owner].offer.path, DATA_FILE), "rb"),  # noqa: SIM115
+            lambda t: storage.open_write(storage.join(tmp, DATA_FILE)),
+            comm.control_group(),
+        )
+        errors += exchange_errors
+
+        def finish() -> str:
+            if mine.tier != PEER:
+                if errors:
+                    raise CorruptCheckpointError("; ".join(errors))
+                return mine.offer.path
+            expected = mine.offer.files[DATA_FILE]
+            got = next(iter(received.values()))
+            if errors or got != expected:
+                problem = "; ".join(errors) or f"received {got}, the copy's marker records {expected}"
+                raise CorruptCheckpointError(
+                    f"fetching rank {me}'s local-tier files of iteration {choice.iteration} from rank "
+                    f"{mine.server} ({mine.offer.path}) failed: {problem}"
+                )
+            mark_copy(storage, tmp, marker_of(mine.offer))
+            return publish_copy(storage, tmp, me)
+
+        path = comm.agree(finish, "fetching local-tier files from peers")
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if mine.tier == PEER:
+        log.info(
+            "rank %d: received %s of iteration %d from rank %d into %s",
+            me,
+            DATA_FILE,
+            choice.iteration,
+            mine.server,
+            path,
+        )
+    return path

@@ -1,0 +1,221 @@
+"""The local tier as the Checkpointer sees it: when to save, save, poll, load, close.
+
+Construction (collective, every rank in the same order): probe which ranks share
+``local_dir`` (the nodes), place the replicas, let each node's leader remove what
+interrupted saves left, create the gloo group the background replication uses.
+
+Saving: :meth:`LocalTier.is_due` / :meth:`LocalTier.save` / :meth:`LocalTier.poll`
+(:mod:`shardpoint.tier.local_save`). Loading: :meth:`LocalTier.load` asks the
+persistent store for its candidate first, then makes the collective choice
+(:mod:`shardpoint.tier.choose`): the local tier is used when it has an iteration
+newer than the persistent one, complete across all ranks and verified; ranks whose
+files are on another node fetch them (:mod:`shardpoint.tier.fetch`). Otherwise the
+persistent store is loaded as without the tier. Either way each rank logs its tier
+and source, and :class:`~shardpoint.lifecycle.load_pipeline.LoadResult` records them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from shardpoint.catalog.metadata import CheckpointMetadata
+from shardpoint.errors import CheckpointError
+from shardpoint.lifecycle.load_pipeline import LoadOptions, LoadPipeline, LoadResult
+from shardpoint.lifecycle.node_local import probe_domains
+from shardpoint.lifecycle.policy import EveryNSteps
+from shardpoint.parallel import comm
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.train_state import TrainState, collect
+from shardpoint.storage.base import LocalStorage
+from shardpoint.tier.choose import Choice, choose, marker_of
+from shardpoint.tier.fetch import fetch
+from shardpoint.tier.local_save import LocalSaver, LocalTimes
+from shardpoint.tier.marker import LocalMarker, remove_leftovers
+from shardpoint.tier.placement import Nodes, nodes_from_domains, place_replicas
+from shardpoint.tier.retention import prune_node
+from shardpoint.tier.snapshot import LocalSnapshotFormat
+
+__all__ = ["LocalTier", "LocalTierOptions"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalTierOptions:
+    """The ``local_*`` arguments of the Checkpointer.
+
+    Attributes:
+        local_dir: a node-local path (NVMe, or RAM-backed such as ``/dev/shm/run``),
+            shared by the ranks of one node and by no other node.
+        local_interval: ``maybe_save`` writes a local checkpoint when ``iteration %
+            local_interval == 0`` (and no persistent save is due).
+        local_keep: local checkpoints (iterations) kept on each node, replicas included.
+        local_replicas: copies of each rank's files held by ranks on other nodes.
+    """
+
+    local_dir: str
+    local_interval: int
+    local_keep: int = 2
+    local_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if "://" in self.local_dir:
+            raise ValueError(
+                f"local_dir must be a node-local path, got {self.local_dir!r} (object stores are for path=)"
+            )
+        if self.local_interval < 1:
+            raise ValueError(f"local_interval must be >= 1, got {self.local_interval}")
+        if self.local_keep < 1:
+            raise ValueError(f"local_keep must be >= 1, got {self.local_keep}")
+        if self.local_replicas < 0:
+            raise ValueError(f"local_replicas must be >= 0, got {self.local_replicas}")
+
+
+class LocalTier:
+    """The non-persistent tier of one Checkpointer (collective to construct)."""
+
+    def __init__(self, options: LocalTierOptions, topology: Topology, config: dict[str, Any]):
+        self.options = options
+        self.storage = LocalStorage(options.local_dir)
+        self.root = self.storage.root
+        self.topology = topology
+        self.policy = EveryNSteps(options.local_interval)
+        domains = probe_domains(self.storage, self.root) if comm.world_size() > 1 else [(0,)]
+        self.nodes: Nodes = nodes_from_domains(domains, self.root)
+        self.replicas = min(options.local_replicas, self.nodes.count - 1)
+        if self.replicas < options.local_replicas and comm.rank() == 0:
+            # one node cannot hold copies on another: expected on a workstation, worth a warning on a cluster
+            (log.warning if self.nodes.count > 1 else log.info)(
+                "local_replicas=%d needs %d nodes, this job has %d: keeping %d replica(s) of each rank's files "
+                "(losing a node then loses its local checkpoints; the persistent store still has them)",
+                options.local_replicas,
+                options.local_replicas + 1,
+                self.nodes.count,
+                self.replicas,
+            )
+        self.placement = place_replicas(self.nodes, self.replicas)
+        self.is_leader = comm.rank() == self.nodes.leader(comm.rank())
+        comm.agree(lambda: remove_leftovers(self.storage, self.root) if self.is_leader else None, "cleaning local_dir")
+        self.saver = LocalSaver(
+            self.storage,
+            self.root,
+            nodes=self.nodes,
+            placement=self.placement,
+            topology=topology,
+            config=config,
+            keep=options.local_keep,
+            group=comm.new_group(),
+            incompatible=self.incompatibility,
+        )
+        if comm.rank() == 0:
+            log.info(
+                "local tier under %s: every %d steps, %d kept per node, %d replica(s); %s",
+                self.root,
+                options.local_interval,
+                options.local_keep,
+                self.replicas,
+                self.nodes.describe(),
+            )
+
+    @property
+    def times(self) -> LocalTimes:
+        return self.saver.times
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.saver.staging.nbytes
+
+    def incompatibility(self, marker: LocalMarker) -> str | None:
+        """Why this job cannot load a copy (another layout, other nodes), or None."""
+        return marker.incompatibility(self.topology.describe(), self.nodes.world_size, self.nodes.sizes)
+
+    # ---------------------------------------------------------------- saving
+    def is_due(self, iteration: int) -> bool:
+        return self.policy.should_save(iteration, 0.0, 0.0)
+
+    def save(self, iteration: int, state: TrainState) -> None:
+        """Every rank: snapshot ``state`` into host memory and write, replicate and commit it in the background."""
+        self.saver.start(iteration, collect(state, iteration=iteration))
+        log.debug("local-tier save %d: training resumed after %.3f s", iteration, self.times.last_stall_seconds)
+
+    def poll(self, blocking: bool) -> bool:
+        """Collective: commit the pending local save when every rank is done (``blocking``: wait for it)."""
+        return self.saver.poll(blocking)
+
+    def close(self) -> None:
+        self.saver.poll(blocking=True)
+
+    # --------------------------------------------------------------- loading
+    def load(self, state: TrainState, opts: LoadOptions, loader: LoadPipeline) -> LoadResult | None:
+        """Collective: the local tier when it has the newest complete iteration, else the persistent store."""
+        if opts.finetune:  # a new run from weights: what the persistent store (release/) is for
+            return loader.run(state, opts)
+        found, error = None, None
+        if opts.iteration is None:
+            try:
+                found = loader.find(opts)
+            except CheckpointError as exc:  # raised on every rank alike: every rank takes this branch
+                error = exc
+                log.warning("cannot read the persistent checkpoint (%s); looking in the local tier", exc)
+        choice = choose(
+            self.storage,
+            self.root,
+            self.nodes,
+            self.incompatibility,
+            newer_than=_persistent_iteration(found),
+            exact=opts.iteration,
+            verify=opts.verify,
+        )
+        if choice is not None:
+            result = self._load_choice(state, opts, loader, choice)
+            if result is not None:
+                return result
+        if error is not None:
+            raise error
+        result = loader.run(state, opts) if opts.iteration is not None else loader.run_found(state, opts, found)
+        self._forget_newer(result.iteration if result else 0)
+        if result is not None:
+            log.info(
+                "rank %d loaded iteration %d from the persistent store %s", comm.rank(), result.iteration, result.path
+            )
+        return result
+
+    def _load_choice(
+        self, state: TrainState, opts: LoadOptions, loader: LoadPipeline, choice: Choice
+    ) -> LoadResult | None:
+        try:
+            path = fetch(self.storage, self.root, choice)
+        except CheckpointError as exc:  # agreed: raised on every rank
+            log.warning("local tier not used: %s; loading from the persistent store", exc)
+            return None
+        mine = choice.sources[comm.rank()]
+        tiers = {owner: (s.tier, s.describe()) for owner, s in choice.sources.items()}
+        meta: CheckpointMetadata = marker_of(mine.offer).to_metadata()
+        log.info(
+            "rank %d loads local-tier iteration %d (non-persistent): %s", comm.rank(), choice.iteration, mine.describe()
+        )
+        result = loader.run_opened(state, opts, LocalSnapshotFormat(), self.storage, path, meta, tiers)
+        self._forget_newer(choice.iteration)
+        return result
+
+    def _forget_newer(self, iteration: int) -> None:
+        """Each leader: local copies newer than what was loaded belong to an abandoned future; delete them.
+
+        Copies of other layouts stay: a job at another layout that only loads (an
+        evaluation) must not wipe the training job's tier; the next local save prunes them.
+        """
+        if self.is_leader:
+            prune_node(
+                self.storage, self.root, iteration, self.options.local_keep, self.incompatibility, newer_only=True
+            )
+
+
+def _persistent_iteration(found: tuple[str, str, str] | None) -> int:
+    """The iteration the persistent store would load; a release outranks the local tier (the user chose it)."""
+    if found is None:
+        return -1
+    meta = CheckpointMetadata.from_json(found[2], found[1])
+    return sys.maxsize if meta.release else meta.iteration
