@@ -10,6 +10,19 @@ Phases::
     resume     one torchrun agent at the reshard layout: loads what the object store's
                tracker names (resharded) and trains to the end
 
+With ``--local-interval N`` the nodes also keep the non-persistent local tier
+(:mod:`shardpoint.tier`, a directory per node under ``--out``, replicated to the other
+node) and the phases are instead::
+
+    reference  as above
+    train      N nodes, persistent every --save-interval, local every N; once the
+               local tier is ahead of the object store, every agent is SIGKILLed
+    resume     node 1 replaced by an empty one (no local or staging files); the same
+               N nodes resume from the newer local tier, node 1's ranks from node
+               0's replicas, and train to the end
+
+and a table of the steps lost with the local tier and without it.
+
 Without an ``s3://`` ``--dir`` the demo starts a loopback S3 server (``moto_server``,
 from ``pip install 'moto[server]'``) for itself; to use a real store, pass
 ``--dir s3://bucket/prefix`` with the standard AWS variables (``AWS_ENDPOINT_URL``, ...).
@@ -38,10 +51,11 @@ import shardpoint as sp
 from shardpoint.catalog.layout import get_layout
 from shardpoint.demo.phases import prepare_directories, reference_phase
 from shardpoint.demo.procs import free_port
-from shardpoint.demo.report import PhaseReport, compare_losses, phase_progress, plot_losses
+from shardpoint.demo.report import PhaseReport, Recovery, compare_losses, phase_progress, plot_losses
 from shardpoint.demo.trainer import TrainConfig
 from shardpoint.lifecycle import commit
-from shardpoint.storage.base import open_storage
+from shardpoint.storage.base import LocalStorage, Storage, open_storage
+from shardpoint.tier.marker import held_copies
 
 __all__ = ["loopback_s3", "run_cluster_demo", "wait_for_s3_server"]
 
@@ -124,8 +138,13 @@ class _Agent:
         self.process.wait(30)
 
 
-def _start_agents(config: TrainConfig, node_dirs: list[str], log_dir: str) -> tuple[list[_Agent], str]:
-    """torchrun agents for ``config`` (one per node directory), joined by c10d rendezvous; and the events file."""
+def _start_agents(
+    config: TrainConfig, node_dirs: list[str], log_dir: str, local_dirs: list[str] | None = None
+) -> tuple[list[_Agent], str]:
+    """torchrun agents for ``config`` (one per node directory), joined by c10d rendezvous; and the events file.
+
+    ``local_dirs``: each node's local-tier directory (with ``config.local_interval``).
+    """
     os.makedirs(log_dir, exist_ok=True)
     world = config.tp * config.pp * config.dp
     config_path, events = os.path.join(log_dir, "config.json"), os.path.join(log_dir, "events.jsonl")
@@ -149,6 +168,7 @@ def _start_agents(config: TrainConfig, node_dirs: list[str], log_dir: str) -> tu
             f"--config={config_path}",
             f"--save={node_dir}",
             f"--events={events}",
+            *([f"--local-dir={local_dirs[index]}"] if local_dirs else []),
         ]
         agents.append(_Agent(command, os.path.join(log_dir, f"node{index}.log")))
     return agents, events
@@ -162,22 +182,32 @@ def _read_events(path: str) -> dict[int, float]:
 
 
 def _run_phase(
-    name: str, config: TrainConfig, node_dirs: list[str], log_dir: str, progress: Progress, kill_when: Any = None
+    name: str,
+    config: TrainConfig,
+    node_dirs: list[str],
+    log_dir: str,
+    progress: Progress,
+    kill_when: Any = None,
+    kill_all: bool = False,
+    local_dirs: list[str] | None = None,
 ) -> tuple[PhaseReport, dict[str, Any] | None, int | None]:
     """Run one torchrun job to its end; ``kill_when(losses)`` True SIGKILLs the last node (then the others).
+
+    ``kill_all``: SIGKILL every node at once (a failure that leaves no rank to save).
 
     Returns the phase's report, rank 0's result (None when it did not finish) and the
     iteration after which the node was killed (None: it was not).
     """
     task = progress.add_task(name, total=config.train_iters, loss="-")
-    agents, events = _start_agents(config, node_dirs, log_dir)
+    agents, events = _start_agents(config, node_dirs, log_dir, local_dirs)
     started, deadline, killed = time.perf_counter(), time.time() + 900, None
     while any(a.process.poll() is None for a in agents):
         losses = _read_events(events)
         if losses:
             progress.update(task, completed=max(losses), loss=f"{losses[max(losses)]:.3f}")
         if kill_when is not None and killed is None and kill_when(losses):
-            agents[-1].kill()
+            for agent in agents if kill_all else agents[-1:]:
+                agent.kill()
             killed = max(losses)
             deadline = min(deadline, time.time() + 120)  # the others fail in their next collective
         if time.time() > deadline:
@@ -217,6 +247,8 @@ def run_cluster_demo(
     def committed_remotely(losses: dict[int, float]) -> bool:
         return bool(losses) and max(losses) >= n // 2 and commit.read_tracker(storage, run_remote, tracker)[0]
 
+    if settings.local_interval:
+        return _local_tier_demo(settings, storage, remote_root, out, node_dirs, progress)
     with progress:
         reference = reference_phase(replace(settings, directory=remote_root), storage, storage.root, out, progress)
         config = settings.train_config(node_dirs[0], settings.layout, upload_to=run_remote)
@@ -244,3 +276,89 @@ def run_cluster_demo(
         problems.append(f"the resumed run started from {loaded} at {result.get('start_iteration')}, not {at_kill}")
     plot_losses([train, resume], reference.losses, os.path.join(out, "loss.png"))
     return [reference, train, resume], problems
+
+
+def _local_tier_demo(
+    settings: Any, storage: Storage, remote_root: str, out: str, node_dirs: list[str], progress: Progress
+) -> tuple[list[PhaseReport], list[str]]:
+    """The ``--local-interval`` phases of the module docstring; returns their reports and the checks that failed."""
+    run_remote, tracker = storage.join(storage.root, "run"), get_layout("megatron")
+    local_dirs = [os.path.join(out, "local", f"node{k}") for k in range(len(node_dirs))]
+    shutil.rmtree(os.path.join(out, "local"), ignore_errors=True)
+    every, n = settings.local_interval, settings.iters
+    # kill once the local tier is ahead of the object store, before the next persistent save
+    ahead = 2 * every + 1 if 2 * every + 1 < settings.save_interval else every + 1
+
+    def local_tier_ahead(losses: dict[int, float]) -> bool:
+        persistent = commit.read_tracker(storage, run_remote, tracker)[1] if losses else None
+        return bool(persistent) and persistent + ahead <= max(losses) < persistent + settings.save_interval
+
+    config = settings.train_config(node_dirs[0], settings.layout, upload_to=run_remote, local_interval=every)
+    with progress:
+        reference = reference_phase(replace(settings, directory=remote_root), storage, storage.root, out, progress)
+        train, _, killed = _run_phase(
+            f"train ({len(node_dirs)} nodes)", config, node_dirs, os.path.join(out, "logs", "train"), progress,
+            kill_when=local_tier_ahead, kill_all=True, local_dirs=local_dirs,
+        )  # fmt: skip
+        persistent = commit.read_tracker(storage, run_remote, tracker)[1] or 0
+        newest_local = _newest_complete(local_dirs[0], config.tp * config.pp * config.dp)
+        for directory in (node_dirs[-1], local_dirs[-1]):  # the replacement node starts with empty disks
+            shutil.rmtree(directory, ignore_errors=True)
+        resume, result, _ = _run_phase(
+            f"resume (node {len(node_dirs) - 1} replaced)", config, node_dirs, os.path.join(out, "logs", "resume"),
+            progress, local_dirs=local_dirs,
+        )  # fmt: skip
+    tiers = {int(rank): (tier, source) for rank, (tier, source) in (result or {}).get("loaded_tiers", {}).items()}
+    start = (result or {}).get("start_iteration", 0)
+    if killed is not None:
+        resume.recovery = Recovery(killed, settings.save_interval, persistent, every, start, tiers)
+    train.note = f"every node SIGKILLed after it {killed}; agents exited {train.exit_codes}"
+    train.comparison = compare_losses(train.losses, reference.losses)
+    resume.comparison = compare_losses(resume.losses, reference.losses)
+    used = sorted({tier for tier, _ in tiers.values()})
+    resume.note = f"from it {start} ({'/'.join(used) or 'nothing'}); the object store had it {persistent}"
+    problems = _local_tier_problems(train, resume, killed, persistent, newest_local, tiers, n, len(node_dirs))
+    if result is None:
+        problems.append(f"the resumed run did not finish; see {os.path.join(out, 'logs', 'resume')}")
+    plot_losses([train, resume], reference.losses, os.path.join(out, "loss.png"))
+    return [reference, train, resume], problems
+
+
+def _newest_complete(local_dir: str, world: int) -> int | None:
+    """The newest local-tier iteration of which ``local_dir`` (one node) holds every rank's files, or None."""
+    owners: dict[int, set[int]] = {}
+    for copy in held_copies(LocalStorage(local_dir), local_dir):
+        owners.setdefault(copy.iteration, set()).add(copy.owner)
+    complete = [iteration for iteration, ranks in owners.items() if len(ranks) == world]
+    return max(complete, default=None)
+
+
+def _local_tier_problems(
+    train: PhaseReport,
+    resume: PhaseReport,
+    killed: int | None,
+    persistent: int,
+    newest_local: int | None,
+    tiers: dict[int, tuple[str, str]],
+    n: int,
+    nnodes: int,
+) -> list[str]:
+    """The checks of the ``--local-interval`` demo: resumed from the newer local tier, peers served node 1."""
+    problems = []
+    if killed is None:
+        problems.append("the run ended before the local tier got ahead of the object store; pass more --iters")
+    for phase in (train, resume):
+        if phase.comparison != "bit-identical":
+            problems.append(f"{phase.name} is not bit-identical to the reference ({phase.comparison})")
+    if max(resume.losses, default=0) != n:
+        problems.append(f"the resumed run stopped at {max(resume.losses, default=0)}, not {n}")
+    start = min(resume.losses, default=1) - 1
+    if newest_local is None or start != newest_local or start <= persistent:
+        problems.append(
+            f"the restart resumed from it {start}, not from the local tier's newest complete it {newest_local} "
+            f"(the object store had {persistent})"
+        )
+    kinds = [tier for tier, _ in tiers.values()]
+    if not tiers or set(kinds) != {"local", "peer"} or kinds.count("peer") != len(tiers) // nnodes:
+        problems.append(f"expected the replaced node's ranks from peers' replicas, the others local: {tiers}")
+    return problems

@@ -2,7 +2,8 @@
 
 ``python -m shardpoint.demo.cluster_worker --config CONFIG.json --save NODE_DIR --events FILE``:
 the training run of ``CONFIG.json`` (a :class:`~shardpoint.demo.trainer.TrainConfig`
-as JSON) with this node's own checkpoint directory. Global rank 0 appends each step
+as JSON) with this node's own checkpoint directory (and, with ``--local-dir``, this
+node's own directory for the non-persistent local tier). Global rank 0 appends each step
 to ``FILE`` as a JSON line (the demo follows it for progress and preemption) and
 writes the run's result to ``FILE.result.json``.
 """
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--save", required=True, help="this node's checkpoint directory")
     parser.add_argument("--events", required=True)
+    parser.add_argument("--local-dir", help="this node's local-tier directory (with the config's local_interval)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     with open(args.config) as f:
         config = replace(config_from_json(f.read()), save=args.save)
+    if args.local_dir:
+        config = replace(config, local_dir=args.local_dir)
     dist.init_process_group("gloo")
     try:
         report = None

@@ -84,6 +84,13 @@ def add_parser(subparsers: Any) -> None:
         help="run on this many torchrun 'nodes' with node-local dirs and object storage, SIGKILL the last one, "
         "resume on one node at the reshard layout (see shardpoint.demo.cluster)",
     )
+    parser.add_argument(
+        "--local-interval",
+        type=int,
+        metavar="N",
+        help="with --nnodes 2 or more: also keep a non-persistent local tier every N steps, lose every node, "
+        "replace node 1 by an empty one and resume from the local tier (the table shows the steps lost)",
+    )
     parser.add_argument("--no-reuse", action="store_true", help="rerun the reference even if one matches")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
@@ -102,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
         iters=args.iters,
         save_interval=args.save_interval,
         reuse_reference=not args.no_reuse,
+        local_interval=args.local_interval,
     )
     _check_layouts(settings)
+    _check_local_interval(settings, args.nnodes)
     world = args.tp * args.pp * args.dp
     if args.nnodes < 1 or world % args.nnodes:
         raise sp.CheckpointError(f"--nnodes {args.nnodes} must divide the world size tp*pp*dp = {world}")
@@ -147,6 +156,20 @@ def _check_layouts(settings: DemoSettings) -> None:
             config.global_batch_size,
             config.dp * config.micro_batch_size,
             f"global_batch_size (over dp={config.dp} x micro_batch_size={config.micro_batch_size})",
+        )
+
+
+def _check_local_interval(settings: DemoSettings, nnodes: int) -> None:
+    """``--local-interval`` needs other nodes to hold replicas, and must save more often than the persistent tier."""
+    every = settings.local_interval
+    if every is None:
+        return
+    if nnodes < 2:
+        raise sp.CheckpointError(f"--local-interval {every} needs --nnodes 2 or more (replicas live on other nodes)")
+    if not 0 < every < settings.save_interval:
+        raise sp.CheckpointError(
+            f"--local-interval {every} must be between 1 and --save-interval {settings.save_interval} - 1: "
+            "the local tier is the one saved more often"
         )
 
 

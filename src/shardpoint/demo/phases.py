@@ -34,7 +34,8 @@ class DemoSettings:
 
     ``directory`` holds the checkpoints (local or ``s3://bucket/prefix``); ``output``
     the local files, rank logs and ``loss.png`` (None: ``directory`` when local, else
-    a new temporary directory).
+    a new temporary directory). ``local_interval``: the multi-node demo's local tier
+    (None: none; the reference run never has one).
     """
 
     directory: str = "runs/demo"
@@ -45,6 +46,7 @@ class DemoSettings:
     save_interval: int = 25
     seed: int = 1234
     reuse_reference: bool = True
+    local_interval: int | None = None
 
     def train_config(self, save: str, layout: tuple[int, int, int], **overrides: Any) -> TrainConfig:
         tp, pp, dp = layout

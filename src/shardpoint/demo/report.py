@@ -17,7 +17,32 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["PhaseReport", "compare_losses", "plot_losses", "render_table", "summary_json"]
+__all__ = ["PhaseReport", "Recovery", "compare_losses", "plot_losses", "render_table", "summary_json"]
+
+
+@dataclass
+class Recovery:
+    """A node failure and what each tier brought back (``demo --nnodes 2 --local-interval N``).
+
+    Without the local tier the job would resume from ``persistent_iteration`` (what the
+    object store's tracker named when the nodes died); with it, from ``local_iteration``.
+    The steps lost are those trained after it up to ``killed_after``, done again on restart.
+    """
+
+    killed_after: int
+    persistent_interval: int
+    persistent_iteration: int
+    local_interval: int
+    local_iteration: int
+    tiers: dict[int, tuple[str, str]]  # rank -> (tier, source), LoadResult.tiers of the restart
+
+    @property
+    def steps_lost_without_tier(self) -> int:
+        return self.killed_after - self.persistent_iteration
+
+    @property
+    def steps_lost_with_tier(self) -> int:
+        return self.killed_after - self.local_iteration
 
 
 @dataclass
@@ -33,6 +58,7 @@ class PhaseReport:
     comparison: str = "-"
     note: str = ""
     exit_codes: list[int | None] = field(default_factory=list)
+    recovery: Recovery | None = None
 
     @property
     def layout_text(self) -> str:
@@ -91,12 +117,47 @@ def render_table(phases: Sequence[PhaseReport], console: Console) -> None:
     for phase in phases:
         if phase.note:
             console.print(f"  {phase.name}: {phase.note}", highlight=False)
+    for phase in phases:
+        if phase.recovery is not None:
+            _render_recovery(phase.recovery, console)
+
+
+def _render_recovery(recovery: Recovery, console: Console) -> None:
+    """The steps lost at the node failure with the local tier and without it, then where each rank loaded from."""
+    table = Table(title=f"node failure after it {recovery.killed_after}", title_justify="left")
+    for column in ("tier", "saved every", "resumes from it", "steps lost"):
+        table.add_column(column, justify="left" if column == "tier" else "right", no_wrap=True)
+    table.add_row(
+        "without the local tier (object store)",
+        str(recovery.persistent_interval),
+        str(recovery.persistent_iteration),
+        str(recovery.steps_lost_without_tier),
+    )
+    table.add_row(
+        "with the local tier",
+        str(recovery.local_interval),
+        str(recovery.local_iteration),
+        str(recovery.steps_lost_with_tier),
+    )
+    console.print(table)
+    console.print("  where each rank loaded from (LoadResult.tier: source):", highlight=False)
+    for rank, (tier, source) in sorted(recovery.tiers.items()):
+        console.print(f"  rank {rank}: {tier}: {source}", highlight=False)
 
 
 def summary_json(phases: Sequence[PhaseReport], extra: Mapping[str, object]) -> str:
     """The phases (losses included) and ``extra`` as JSON, for ``--json``."""
-    data = {**extra, "phases": [{**asdict(p), "losses": {str(k): v for k, v in p.losses.items()}} for p in phases]}
+    data = {**extra, "phases": [_phase_json(p) for p in phases]}
     return json.dumps(data, indent=1)
+
+
+def _phase_json(phase: PhaseReport) -> dict[str, Any]:
+    data = {**asdict(phase), "losses": {str(k): v for k, v in phase.losses.items()}}
+    recovery = phase.recovery
+    if recovery is not None:
+        lost = {"with_tier": recovery.steps_lost_with_tier, "without_tier": recovery.steps_lost_without_tier}
+        data["recovery"] = {**data["recovery"], "steps_lost": lost}
+    return data
 
 
 def plot_losses(phases: Sequence[PhaseReport], reference: Mapping[int, float], path: str) -> None:

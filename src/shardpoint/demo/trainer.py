@@ -70,6 +70,8 @@ class TrainConfig:
         log_interval: log loss and throughput every N iterations (rank 0).
         upload_to: local-first mode, ``s3://`` prefix the checkpoints are uploaded to
             (``save`` may then be a node-local directory, see :mod:`shardpoint.lifecycle.node_local`).
+        local_dir, local_interval: the non-persistent local tier (:mod:`shardpoint.tier`): a
+            node-local directory and the steps between its checkpoints (None: no local tier).
     """
 
     save: str
@@ -94,13 +96,15 @@ class TrainConfig:
     format: str = "dist"
     log_interval: int = 10
     upload_to: str | None = None
+    local_dir: str | None = None
+    local_interval: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("save_interval", "exit_interval"):
+        for name in ("save_interval", "exit_interval", "local_interval"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"TrainConfig.{name} must be a positive integer or None, got {value!r}")
@@ -140,6 +144,7 @@ class TrainResult:
     tokens_per_second: float
     loaded_from: str | None = None
     validation_diff: float | None = None
+    loaded_tiers: dict[int, tuple[str, str]] = field(default_factory=dict)  # LoadResult.tiers: rank -> tier, source
 
 
 def cosine_with_warmup(warmup: int, decay_iters: int, min_ratio: float) -> Callable[[int], float]:
@@ -194,10 +199,13 @@ class Trainer:
             save_interval=config.save_interval,
             config=config.model.checkpoint_config(),
             upload_to=config.upload_to,
+            local_dir=config.local_dir,
+            local_interval=config.local_interval,
         )
         self.stream = SampleStream(config.model.seq_length, seed=config.seed)
         self.validation_tokens = validation_tokens(config.model.seq_length, config.seed)
         self.saves: list[SaveRecord] = []
+        self.loaded: sp.LoadResult | None = None
         log.info(
             "built stage %d/%d, tp rank %d/%d, dp rank %d/%d in %.2f s",
             self.ps.pp_rank,
@@ -211,7 +219,7 @@ class Trainer:
 
     def load(self) -> tuple[int, str | None, float | None]:
         """Resume from the save directory: ``(iteration, checkpoint path, validation diff)``."""
-        result = self.ckpt.load(self.state)
+        result = self.loaded = self.ckpt.load(self.state)
         start = result.iteration if result else 0
         # Megatron's fallback for checkpoints that predate consumed_samples.
         self.state.extra.setdefault("consumed_samples", start * self.cfg.global_batch_size)
@@ -267,6 +275,8 @@ class Trainer:
         if policy:
             if not self.ckpt.maybe_save(iteration, self.state, validation_logits=logits):
                 return False
+            if self.ckpt.last_saved_iteration != iteration:  # a local-tier save: nothing persistent to record
+                return True
         elif self.ckpt.last_saved_iteration == iteration:
             return False
         else:
@@ -294,6 +304,7 @@ class Trainer:
             tokens / train_seconds if train_seconds else 0.0,
             loaded_from,
             diff,
+            self.loaded.tiers if self.loaded else {},
         )
 
     def _train(self, start: int) -> tuple[dict[int, float], str, int, float]:
