@@ -84,13 +84,13 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
-from shardpoint.catalog.integrity import verify_files
 from shardpoint.catalog.layout import get_layout
 from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata, FileRecord
 from shardpoint.checkpointer import default_thread_count
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.formats import FormatContext
 from shardpoint.formats.dist import DCP_METADATA, ShardSavePlanner, dcp_reader, dcp_writer
+from shardpoint.lifecycle.load_pipeline import verify_share
 from shardpoint.lifecycle.policy import preservation_policies
 from shardpoint.lifecycle.save_pipeline import SavePipeline
 from shardpoint.parallel import comm
@@ -99,6 +99,9 @@ from shardpoint.state.sharding import Shard, to_shard
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import Storage, open_storage
 from shardpoint.storage.safe_io import safe_torch_load
+
+# how a torchtitan user picks another checkpoint, in the damage messages
+_ADVICE = "Load an earlier step (checkpoint.load_step)"
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -515,7 +518,9 @@ class ShardpointCheckpointManager(BaseCheckpointManager):
         streamed = {n for n in meta.files if n.endswith(".distcp")} if meta and self.verify else set()
         if meta is not None:
             names = sorted(meta.files)
-            comm.agree(lambda: _verify_share(storage, path, meta, names, self.verify, streamed), "verifying files")
+            comm.agree(
+                lambda: verify_share(storage, path, meta, names, self.verify, streamed, _ADVICE), "verifying files"
+            )
         expected = {n: meta.files[n] for n in streamed} if meta is not None and self.verify else None
         contiguous = bool(meta and meta.contiguous_items)
         reader = dcp_reader(storage, path, self.thread_count, expected, contiguous)
@@ -528,7 +533,7 @@ class ShardpointCheckpointManager(BaseCheckpointManager):
         checked = set().union(*comm.agree_all(read, "reading the checkpoint"))
         unread = sorted(streamed - checked)
         if unread and meta is not None:
-            comm.agree(lambda: _verify_share(storage, path, meta, unread, True, set()), "verifying files")
+            comm.agree(lambda: verify_share(storage, path, meta, unread, True, set(), _ADVICE), "verifying files")
 
 
 def _committed(storage: Storage, path: str) -> str | None:
@@ -543,19 +548,6 @@ def _committed(storage: Storage, path: str) -> str | None:
             f"{path} has neither {MARKER_NAME} nor {DCP_METADATA}: a save into it did not finish; load another step"
         )
     return None
-
-
-def _verify_share(
-    storage: Storage, path: str, meta: CheckpointMetadata, names: list[str], checksums: bool, sizes_only: set[str]
-) -> None:
-    """This rank's round-robin share of ``names``: present, of the recorded size and (if asked) checksum."""
-    share = names[comm.rank() :: comm.world_size()] if len(names) >= comm.world_size() else names
-    problems = verify_files(storage, path, meta, share, checksums=checksums, sizes_only=sizes_only)
-    if problems:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} is damaged: {'; '.join(map(str, problems))}. "
-            "Load an earlier step (checkpoint.load_step), or run `shardpoint verify` for a report"
-        )
 
 
 @contextmanager

@@ -48,7 +48,7 @@ from shardpoint.state.train_state import (
 )
 from shardpoint.storage.base import Storage
 
-__all__ = ["LoadOptions", "LoadPipeline", "LoadResult"]
+__all__ = ["LoadOptions", "LoadPipeline", "LoadResult", "verify_share"]
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class LoadPipeline:
         files = fmt.files_read_by_all(meta)
         streamed = fmt.checksummed_while_reading(meta) if opts.verify else set()
         comm.agree(
-            lambda: _verify_share(opened.storage, opened.path, meta, files, opts.verify, streamed),
+            lambda: verify_share(opened.storage, opened.path, meta, files, opts.verify, streamed),
             "verifying checkpoint files",
         )
         return streamed
@@ -305,17 +305,19 @@ def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: 
                     optimizer.state.pop(param, None)
 
 
-def _verify_share(
+def verify_share(
     storage: Storage,
     path: str,
     meta: CheckpointMetadata,
     names: list[str],
     checksums: bool,
     sizes_only: Collection[str] = (),
+    advice: str = "Load an earlier iteration (iteration=N or fallback=True)",
 ) -> None:
     """Check this rank's share of ``names`` (round-robin): presence and size always, checksums if asked.
 
-    ``sizes_only``: files whose checksums the load checks while reading them.
+    ``sizes_only``: files whose checksums the load checks while reading them; ``advice``:
+    how the caller's user picks another checkpoint (frameworks name their own setting).
     """
     missing_record = [n for n in names if n not in meta.files]
     if missing_record:
@@ -326,7 +328,7 @@ def _verify_share(
         raise CorruptCheckpointError(
             f"checkpoint {path} is damaged: "
             + "; ".join(map(str, problems))
-            + ". Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify` for a report"
+            + f". {advice}, or run `shardpoint verify` for a report"
         )
 
 
@@ -341,4 +343,4 @@ def _verify_unread(
         return
     unread = sorted(streamed - checked)
     if unread:
-        comm.agree(lambda: _verify_share(storage, path, meta, unread, True), "verifying checkpoint files")
+        comm.agree(lambda: verify_share(storage, path, meta, unread, True), "verifying checkpoint files")
