@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from shardpoint.commands.bench_states import SHAPE_PRESETS, preset_state, state_bytes, synthetic_state
 from shardpoint.commands.bench_tier import tier_rounds
+from shardpoint.commands.bench_timing import slowest, timed
 from shardpoint.storage.base import open_storage
 
 __all__ = ["BenchConfig", "add_parser", "parse_size", "run_bench"]
@@ -181,14 +182,6 @@ class Methods:
         sp.Checkpointer(root or self.path("sp"), topology=topo).load(state, verify=verify)
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def _peak_rss_during(fn: Callable[[], Any]) -> int:
     """Extra peak resident memory of this process while ``fn`` runs (Linux)."""
 
@@ -218,12 +211,12 @@ def _main_rounds(m: Methods, repeat: int) -> dict[str, list[float]]:
         ckpt = m.sp_save(async_save=True)
         stall = time.perf_counter() - start
         ckpt.wait()
-        times.setdefault("shardpoint async stall", []).append(max(_comm_max(stall), 0.0))
+        times.setdefault("shardpoint async stall", []).append(max(slowest(stall), 0.0))
 
     def async_dcp() -> None:
         stall, wait = m.dcp_async_save()
         wait()
-        times.setdefault("dcp async_save stall", []).append(_comm_max(stall))
+        times.setdefault("dcp async_save stall", []).append(slowest(stall))
 
     # writes and their reads stay paired; the pairs rotate between rounds
     pairs: list[list[tuple[str, Callable[[], Any]]]] = [
@@ -247,15 +240,9 @@ def _main_rounds(m: Methods, repeat: int) -> dict[str, list[float]]:
         shift = round_index % len(pairs)
         for pair in pairs[shift:] + pairs[:shift]:
             for name, fn in pair:
-                times.setdefault(name, []).append(_timed(fn))
+                times.setdefault(name, []).append(timed(fn))
                 m.settle()
     return times
-
-
-def _comm_max(value: float) -> float:
-    box = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return float(box)
 
 
 def _reshard_rounds(m: Methods, source: str, repeat: int) -> dict[str, list[float]]:
@@ -264,7 +251,7 @@ def _reshard_rounds(m: Methods, source: str, repeat: int) -> dict[str, list[floa
     for round_index in range(repeat):
         ops = [("shardpoint load (same layout)", m.sp_load), ("shardpoint load (resharded)", lambda: m.sp_load(source))]
         for name, fn in ops if round_index % 2 == 0 else ops[::-1]:
-            times.setdefault(name, []).append(_timed(fn))
+            times.setdefault(name, []).append(timed(fn))
     times["reshard load peak extra RSS"] = [float(_peak_rss_during(lambda: m.sp_load(source)))]
     return times
 

@@ -16,12 +16,12 @@ cluster with node-local disks. Per round:
 from __future__ import annotations
 
 import shutil
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardpoint.commands.bench_timing import slowest, timed
 
 __all__ = ["tier_rounds"]
 
@@ -39,17 +39,17 @@ def tier_rounds(methods: Any, repeat: int) -> dict[str, list[float]]:
         ckpt.maybe_save(iteration, state)
         stall = ckpt.local_times.last_stall_seconds
         ckpt.wait()
-        times.setdefault("local tier stall", []).append(_slowest(stall))
-        times.setdefault("local tier replicate", []).append(_slowest(ckpt.local_times.last_replicate_seconds))
+        times.setdefault("local tier stall", []).append(slowest(stall))
+        times.setdefault("local tier replicate", []).append(slowest(ckpt.local_times.last_replicate_seconds))
     ckpt.close()
     for _ in range(repeat):
-        times.setdefault("local tier load, own node's copy", []).append(_timed(lambda: _load(sp, methods, options)))
+        times.setdefault("local tier load, own node's copy", []).append(timed(lambda: _load(sp, methods, options)))
         if methods.world > 1:
             if methods.rank % 2:
                 shutil.rmtree(local_dir, ignore_errors=True)
             dist.barrier()
             times.setdefault("local tier load, from a peer replica", []).append(
-                _timed(lambda: _load(sp, methods, options))
+                timed(lambda: _load(sp, methods, options))
             )
     return times
 
@@ -72,17 +72,3 @@ def _load(sp: Any, methods: Any, options: dict[str, Any]) -> None:
     ckpt = sp.Checkpointer(methods.path("tier_persistent"), **options)
     ckpt.load(state)
     ckpt.close()
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
-def _slowest(value: float) -> float:
-    box = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return float(box)
