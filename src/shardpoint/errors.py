@@ -13,6 +13,7 @@ __all__ = [
     "ConfigMismatchError",
     "CorruptCheckpointError",
     "MissingKeysError",
+    "ShapeMismatchError",
     "StorageError",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
@@ -84,6 +85,10 @@ class ReplicaMismatchError(CheckpointError):
             "tensor that is meant to differ by rank must not be declared replicated: describe its box with "
             "sp.Shard, or wrap it in sp.RankLocal to store it per rank."
         )
+
+
+class ShapeMismatchError(CheckpointError):
+    """A stored tensor's shape differs from the model's tensor of the same name."""
 
 
 class StorageError(CheckpointError):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardpoint.errors import CheckpointError, MissingKeysError
+from shardpoint.errors import CheckpointError, MissingKeysError, ShapeMismatchError
 from shardpoint.formats.hf_read import (
     Box,
     locate,
@@ -67,10 +67,6 @@ from shardpoint.state.sharding import Shard, flatten_shards
 __all__ = ["HFLoadResult", "HFSaveResult", "ShapeMismatchError", "load_hf_weights", "save_hf_weights"]
 
 log = logging.getLogger(__name__)
-
-
-class ShapeMismatchError(CheckpointError):
-    """A stored tensor's shape differs from the model's tensor of the same name."""
 
 
 @dataclass
