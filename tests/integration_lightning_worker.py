@@ -190,6 +190,10 @@ def main(scenario: str, work: Path) -> None:
         result["loaded"] = full_state(t, fit(t, ckpt_path="last"))
     if rank == 0:
         torch.save(result, work / f"{scenario}.pt")
+    if torch.distributed.is_initialized():
+        # leave together: a rank whose peer exited first can abort in gloo's teardown at exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -147,9 +147,13 @@ def test_damaged_item_header_is_a_checksum_error_naming_the_file(tmp_path):
     assert name in str(info.value)
 
 
-def test_a_data_file_no_rank_reads_is_still_verified(tmp_path):
+def test_a_data_file_no_rank_reads_is_still_verified(tmp_path, monkeypatch):
     """Loading without the optimizer skips files holding only optimizer state; they are checked anyway."""
+    from shardpoint.formats import shares
+
     # two files: the weight and one moment in one, the other moment and the step in the other
+    monkeypatch.setattr(shares, "LARGE_ITEM_BYTES", 0)  # tiny items count as large: two threads, two files
+    monkeypatch.setattr(shares, "THREAD_MIN_BYTES", 1)
     sp.Checkpointer(tmp_path, thread_count=2).save(1, _trained_linear(0))
     directory = tmp_path / "iter_0000001"
     items = _items(directory)

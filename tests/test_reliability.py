@@ -273,7 +273,10 @@ def test_pickle_payload_in_dcp_metadata_never_runs(tmp_path):
 def test_a_failing_extra_writer_thread_fails_the_save(tmp_path, monkeypatch):
     """DCP drops exceptions of its extra writer threads; the save must not commit without their tensors."""
     from shardpoint.catalog.integrity import HashingWriter
+    from shardpoint.formats import shares
 
+    monkeypatch.setattr(shares, "LARGE_ITEM_BYTES", 0)  # a tiny state still gets its second writer thread
+    monkeypatch.setattr(shares, "THREAD_MIN_BYTES", 1)
     real_write = HashingWriter.write
 
     def write_failing_off_main_thread(self, data):

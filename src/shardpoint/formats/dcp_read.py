@@ -23,7 +23,7 @@ import struct
 import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import xxhash
@@ -33,12 +33,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.formats.tensor_archive import known_data_offset
+from shardpoint.formats.shares import balanced, useful_threads
+from shardpoint.formats.tensor_archive import known_data_offset, known_ends
 from shardpoint.parallel import devices
 
-__all__ = ["ReadBuffers", "StreamingReads", "balanced", "tensor_record"]
-
-K = TypeVar("K")
+__all__ = ["ReadBuffers", "StreamingReads", "tensor_record"]
 
 _MIN_BUFFER = 4 << 20
 _HEAD = 4096  # enough for the records torch.save writes before a tensor's bytes
@@ -74,7 +73,8 @@ class StreamingReads:
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         sizes = {name: sum(self._info(item).length for item in items) for name, items in per_file.items()}
-        shares = balanced(sizes, self.thread_count)
+        threads = useful_threads((self._info(item).length for item in plan.items), self.thread_count)
+        shares = balanced(sizes, threads)
         if len(shares) == 1:
             self._read_files(shares[0], per_file, planner)
         elif shares:
@@ -170,7 +170,7 @@ class StreamingReads:
             item_start = stream.tell() - head
             stream.seek(item_start + length - _HEAD)
             _read_exactly(stream, buffer[head : head + _HEAD], name)
-            found = _storage_at_ends(buffer[:head], buffer[head : head + _HEAD], length)
+            found = self._located(buffer[:head], buffer[head : head + _HEAD], length, wanted[0])
             stream.seek(item_start + head)
         if target is None or found is None or not _direct_fits(found, target.nbytes, head, length):
             buffer = scratch.at_least(length, keep=head)
@@ -187,6 +187,14 @@ class StreamingReads:
         stream.seek(length - start - size, io.SEEK_CUR)
         planner.commit_tensor(wanted[0], target)
         return None
+
+    def _located(self, first: memoryview, last: memoryview, length: int, item: ReadItem) -> tuple[int, int] | None:
+        """Where the tensor's bytes lie in an item known by its ends: from the template, else the zip records."""
+        shape, dtype = self._chunk(item.storage_index)
+        start = known_ends(first, last, length, dtype, tuple(shape))
+        if start is not None:
+            return start, shape.numel() * dtype.itemsize
+        return _storage_at_ends(first, last, length)
 
     def _direct_target(self, wanted: list[ReadItem], planner: Any) -> torch.Tensor | None:
         """The target of a stored item that is read whole into one contiguous CPU tensor, else None."""
@@ -457,14 +465,3 @@ def _hash_through(stream: Any, digest: Any, buffer: memoryview, count: int | Non
         digest.update(view[:n])
         if count is not None:
             count -= n
-
-
-def balanced(sizes: dict[K, int], workers: int) -> list[list[K]]:
-    """Names (files to read, items to write) split by their bytes into at most ``workers`` shares of similar size."""
-    shares: list[list[K]] = [[] for _ in range(max(1, min(workers, len(sizes))))]
-    loads = [0] * len(shares)
-    for name in sorted(sizes, key=lambda n: -sizes[n]):
-        lightest = loads.index(min(loads))
-        shares[lightest].append(name)
-        loads[lightest] += sizes[name]
-    return [share for share in shares if share]

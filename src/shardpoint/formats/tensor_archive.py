@@ -143,14 +143,31 @@ def known_data_offset(archive: memoryview, dtype: torch.dtype, shape: tuple[int,
     data lies at ``len(head)``; anything else (an older torch, CRCs kept, a foreign
     writer) returns None and the caller parses the archive.
     """
+    return known_ends(archive, archive[archive.nbytes - min(archive.nbytes, _TAIL_MAX) :], archive.nbytes, dtype, shape)
+
+
+#: the longest template tail compared (the zip directory of a one-tensor archive is about 1 kB)
+_TAIL_MAX = 4096
+
+
+def known_ends(
+    first: memoryview, last: memoryview, length: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> int | None:
+    """:func:`known_data_offset` of an archive of ``length`` bytes known by its ``first`` and ``last`` bytes.
+
+    A reader that streams a tensor's bytes straight into its target reads only the
+    archive's ends first; this tells it where the data starts without a zip parse.
+    """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > TEMPLATE_MAX_BYTES or not crc32_is_per_thread():
         return None
     template = _TEMPLATES.get(dtype, tuple(shape), _contiguous_strides(shape))
     head, tail = template.head, template.tail
-    if archive.nbytes != template.size(nbytes) or archive[: len(head)] != head:
+    if length != template.size(nbytes) or first.nbytes < len(head) or last.nbytes < len(tail):
         return None
-    return len(head) if archive[archive.nbytes - len(tail) :] == tail else None
+    if first[: len(head)] != head or last[last.nbytes - len(tail) :] != tail:
+        return None
+    return len(head)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
