@@ -8,6 +8,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import shardpoint as sp
 from shardpoint.catalog.metadata import CheckpointMetadata
+from shardpoint.formats import shared_reads
 from shardpoint.formats.shared_reads import plan_reads
 from shardpoint.storage.base import open_storage
 from tests import toy
@@ -60,6 +61,60 @@ def test_each_file_goes_to_a_rank_needing_most_of_it_and_the_load_is_balanced():
     a, b, c, d = (MetadataIndex(k, torch.Size([0])) for k in "abcd")
     files = {a: "f1", b: "f2", c: "f3", d: "f4"}
     # ranks 0 and 1 are replicas (need a, b, c); rank 2 needs c and d only
-    needs = [{a: 100, b: 60, c: 50}, {a: 100, b: 60, c: 50}, {c: 50, d: 30}]
+    needs = [{a: (100, True), b: (60, True), c: (50, True)}, {a: (100, True), b: (60, True), c: (50, True)}]
+    needs.append({c: (50, True), d: (30, True)})
     readers = plan_reads(needs, files)
     assert readers == {"f1": 0, "f2": 1, "f3": 2, "f4": 2}  # f3: a three-way tie goes to the least loaded
+
+
+def _reshard_with_budget(rank: int, world: int, root: str, budget: int | None):
+    """Saved at tp=2·dp=2, loaded at tp=4: each rank needs half of two stored column chunks."""
+    from shardpoint.formats import shared_reads
+
+    if budget is not None:
+        shared_reads.EXCHANGE_BUFFER_BYTES = budget
+    topo = sp.Topology(4, 1, 1)
+    state = toy.build(topo, zero=False)
+    result = sp.Checkpointer(root, topology=topo).load(state)
+    return {"bytes_read": result.bytes_read, "loaded": toy.snapshot(state)}
+
+
+def _save_tp2_dp2(rank: int, world: int, root: str):
+    topo = sp.Topology(2, 1, 2)
+    toy.seed_rng(topo)
+    state = toy.build(topo, zero=False)
+    toy.train_step(state, 1)
+    sp.Checkpointer(root, topology=topo).save(1, state)
+    return toy.snapshot(state)
+
+
+def test_the_exchange_buffer_is_bounded_and_a_load_past_the_bound_is_still_exact(tmp_path):
+    """With no room for buffers, the ranks read what they need only in part themselves: exact, more reads."""
+    saved = toy.assemble(launch(_save_tp2_dp2, 4, str(tmp_path)))
+    stored = _stored_data_bytes(str(tmp_path))
+    reads = {}
+    for budget in (None, 0):
+        loaded = launch(_reshard_with_budget, 4, str(tmp_path), budget)
+        got = toy.assemble([r["loaded"] for r in loaded])
+        assert got.keys() == saved.keys()
+        for key in saved:
+            assert torch.equal(got[key], saved[key]), (budget, key)
+        reads[budget] = sum(r["bytes_read"] for r in loaded)
+    assert reads[None] == stored  # within the default bound every stored byte is read once
+    assert reads[0] > stored  # past it, partial needers read for themselves
+
+
+def test_sharing_gives_no_rank_more_buffers_than_the_bound():
+    a, b, c = (MetadataIndex(k, torch.Size([0])) for k in "abc")
+    files = {a: "f1", b: "f2", c: "f3"}
+    sizes = {a: 100, b: 100, c: 100}
+    # (stored bytes, exactly a target of the rank): rank 0 holds a, b and c whole; ranks 1 and 2 need parts
+    needs = [{a: (100, True), b: (100, True), c: (100, True)}, {a: (100, False), b: (100, False)}, {b: (100, False)}]
+    needs.append({c: (100, True)})
+    assert plan_reads(needs, files) == {"f1": 0, "f2": 1, "f3": 3}
+    # room enough: rank 1 reads b for ranks 0 and 2 (a buffer for it: b is not its target)
+    assert shared_reads.plan_sharing(needs, files, sizes, 1000) == {a: [1], b: [0, 2], c: [0]}
+    # room for one buffer: rank 1 receives a into one, so it cannot also hold b; every needer reads b itself
+    assert shared_reads.plan_sharing(needs, files, sizes, 100) == {a: [1], b: [], c: [0]}
+    # no room: only exact targets still travel (they cost no buffer)
+    assert shared_reads.plan_sharing(needs, files, sizes, 0) == {a: [], b: [], c: [0]}

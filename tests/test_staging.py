@@ -17,13 +17,20 @@ from tests import toy
 
 
 class _CountCopies(TorchDispatchMode):
+    """Copy calls, and the tensors they fill (a ``_foreach_copy_`` fills a list in one call)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.copies = 0
+        self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.copy_.default:
             self.copies += 1
+            self.calls += 1
+        elif func is torch.ops.aten._foreach_copy_.default:
+            self.copies += len(args[0])
+            self.calls += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -75,6 +82,7 @@ def test_zero_dim_tensors_move_in_one_copy():
         staging.stage(flat, everything=True)
     others = len(flat.tensors) + len(flat.rank_local) - len(scalars)
     assert counter.copies == others + 1  # one per tensor, one for every step value together
+    assert counter.calls == 2  # the tensors of one device in one call, the step values in another
 
 
 def test_sync_saves_of_cpu_tensors_stage_nothing(tmp_path):

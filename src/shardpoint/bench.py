@@ -31,6 +31,7 @@ import torch.distributed as dist
 from shardpoint.commands.bench_states import SHAPE_PRESETS, preset_state, state_bytes, synthetic_state
 from shardpoint.commands.bench_tier import tier_rounds
 from shardpoint.commands.bench_timing import slowest, timed
+from shardpoint.formats.tensor_archive import storage_bytes
 from shardpoint.storage.base import open_storage
 
 __all__ = ["BenchConfig", "add_parser", "parse_size", "run_bench"]
@@ -88,12 +89,12 @@ class Methods:
         path = self.storage.join(self.fresh("raw"), f"rank{self.rank}.bin")
         with self.storage.open_write(path) as f:
             for tensor in self.state.values():
-                f.write(memoryview(tensor.numpy()).cast("B"))
+                f.write(storage_bytes(tensor))  # any dtype, bf16 too
 
     def raw_read(self) -> None:
         with self.storage.open_read(self.path(f"raw/rank{self.rank}.bin")) as f:
             for tensor in self.buffers.values():
-                view = memoryview(tensor.numpy()).cast("B")
+                view = storage_bytes(tensor)
                 view[:] = f.read(view.nbytes)
 
     def torch_save(self) -> None:

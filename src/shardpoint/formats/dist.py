@@ -435,8 +435,7 @@ class DistFormat:
             local["planner"] = planner = ShardLoadPlanner(present, ctx.directory)
             planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
             local["items"] = items = planner.create_local_plan().items
-            storage = metadata.storage_data or {}
-            return sorted(targets), {i.storage_index: storage[i.storage_index].length for i in items} if storage else {}
+            return sorted(targets), shared_reads.needs_of(items, present, metadata) if metadata.storage_data else {}
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         prepared = comm.agree_all(prepare, "preparing the load")

@@ -23,11 +23,16 @@ needs. Then, identically on every rank and without another message:
 
 Memory: beyond its own state a rank holds the chunks it reads for others that it does
 not hold itself, and the chunks it receives only in part (resharding); for replicas
-neither exists. GPU targets go through host copies (the control group is gloo).
+neither exists. Both are bounded: :func:`plan_sharing` gives no rank more than
+:data:`EXCHANGE_BUFFER_BYTES` of them, and a chunk that would exceed a rank's bound is
+read by each rank that needs it, as without sharing (only resharded loads far larger
+than the bound read some bytes more than once). GPU targets go through host copies (the
+control group is gloo).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,16 +45,36 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
 
-__all__ = ["Exchange", "plan_reads"]
+__all__ = ["EXCHANGE_BUFFER_BYTES", "Exchange", "Need", "needs_of", "plan_reads", "plan_sharing"]
 
 _PEER = "__shardpoint_peer__/"  # target keys of chunks read for other ranks
 
+#: bytes one rank may hold for a shared load beyond its own state (chunks read for others
+#: that it does not hold, chunks it receives only in part)
+EXCHANGE_BUFFER_BYTES = 1 << 30
 
-def plan_reads(needs: Sequence[Mapping[MetadataIndex, int]], files: Mapping[MetadataIndex, str]) -> dict[str, int]:
-    """The reader of each file. ``needs[r]``: stored item -> its bytes, for what rank r reads."""
+#: what a rank says of one stored item it needs: its stored bytes, and whether it is exactly
+#: one of the rank's targets (received into it, no buffer)
+Need = tuple[int, bool]
+
+
+def needs_of(items: Sequence[ReadItem], targets: Mapping[str, Shard], metadata: Metadata) -> dict[MetadataIndex, Need]:
+    """This rank's part of the planning round: every stored item its ``items`` read from."""
+    storage = metadata.storage_data
+    grouped: dict[MetadataIndex, list[ReadItem]] = {}
+    for item in items:
+        grouped.setdefault(item.storage_index, []).append(item)
+    return {
+        index: (storage[index].length, _whole_target(wanted, index, targets, metadata) is not None)
+        for index, wanted in grouped.items()
+    }
+
+
+def plan_reads(needs: Sequence[Mapping[MetadataIndex, Need]], files: Mapping[MetadataIndex, str]) -> dict[str, int]:
+    """The reader of each file. ``needs[r]``: what rank r reads (:func:`needs_of`)."""
     wanted: dict[str, dict[int, int]] = {}  # file -> rank -> bytes of it the rank needs
     for rank, items in enumerate(needs):
-        for index, nbytes in items.items():
+        for index, (nbytes, _) in items.items():
             per_rank = wanted.setdefault(files[index], {})
             per_rank[rank] = per_rank.get(rank, 0) + nbytes
     size = {name: max(per_rank.values()) for name, per_rank in wanted.items()}
@@ -63,6 +88,42 @@ def plan_reads(needs: Sequence[Mapping[MetadataIndex, int]], files: Mapping[Meta
     return readers
 
 
+def plan_sharing(
+    needs: Sequence[Mapping[MetadataIndex, Need]],
+    files: Mapping[MetadataIndex, str],
+    chunk_bytes: Mapping[MetadataIndex, int],
+    budget: int,
+) -> dict[MetadataIndex, list[int]]:
+    """For each stored item some rank reads for others: the ranks that receive it from its file's reader.
+
+    Identical on every rank. A chunk costs its reader a buffer unless it is exactly one of
+    the reader's targets, and a receiver likewise; no rank's buffers exceed ``budget``.
+    A needer left out (its bound reached, or the reader's) reads its items itself.
+    """
+    readers = plan_reads(needs, files)
+    held = [0] * len(needs)
+    receivers: dict[MetadataIndex, list[int]] = {}
+    for index in sorted({i for rank_needs in needs for i in rank_needs}, key=_order):
+        reader = readers[files[index]]
+        others = [r for r, rank_needs in enumerate(needs) if index in rank_needs and r != reader]
+        if not others:
+            continue
+        size = chunk_bytes[index]
+
+        def cost(rank: int, index: MetadataIndex = index, size: int = size) -> int:
+            return 0 if needs[rank].get(index, (0, False))[1] else size
+
+        taken: list[int] = []
+        if held[reader] + cost(reader) <= budget:
+            taken = [r for r in others if held[r] + cost(r) <= budget]
+            for r in taken:
+                held[r] += cost(r)
+            if taken:
+                held[reader] += cost(reader)
+        receivers[index] = taken
+    return receivers
+
+
 class Exchange:
     """One rank's part of a shared load: what it reads, what it sends, what it receives."""
 
@@ -70,18 +131,25 @@ class Exchange:
         self,
         items: Sequence[ReadItem],
         targets: Mapping[str, Shard],
-        needs: Sequence[Mapping[MetadataIndex, int]],
+        needs: Sequence[Mapping[MetadataIndex, Need]],
         metadata: Metadata,
+        budget: int | None = None,
     ):
         storage = metadata.storage_data
         self.rank = comm.rank()
+        self.targets, self.metadata = targets, metadata
         self.files = {index: storage[index].relative_path for rank_needs in needs for index in rank_needs}
         self.readers = plan_reads(needs, self.files)
-        self.needers: dict[MetadataIndex, list[int]] = {}
-        for rank, rank_needs in enumerate(needs):
-            for index in rank_needs:
-                self.needers.setdefault(index, []).append(rank)
-        self.targets, self.metadata = targets, metadata
+        sizes = {index: self._nbytes(index) for index in self.files}
+        bound = EXCHANGE_BUFFER_BYTES if budget is None else budget
+        #: stored item -> the ranks that receive it from its reader (the reader's own reads are not listed)
+        self.receivers = plan_sharing(needs, self.files, sizes, bound)
+        #: stored items this rank reads itself although another rank reads their file
+        self.direct = {
+            index
+            for index in needs[self.rank]
+            if self.reader_of(index) != self.rank and self.rank not in self.receivers.get(index, [])
+        }
         self.mine: dict[MetadataIndex, list[ReadItem]] = {}
         for item in items:
             self.mine.setdefault(item.storage_index, []).append(item)
@@ -94,10 +162,10 @@ class Exchange:
         """This rank's reads (its items in its files, whole chunks for others) and the extra targets they fill."""
         plan, extra = [], {}
         for index, wanted in self.mine.items():
-            if self.reader_of(index) == self.rank:
+            if self.reader_of(index) == self.rank or index in self.direct:
                 plan += wanted
-        for index, ranks in sorted(self.needers.items(), key=lambda kv: _order(kv[0])):
-            if self.reader_of(index) != self.rank or ranks == [self.rank]:
+        for index, ranks in sorted(self.receivers.items(), key=lambda kv: _order(kv[0])):
+            if self.reader_of(index) != self.rank or not ranks:
                 continue
             whole = self._whole_target(index)
             if whole is not None:
@@ -114,17 +182,17 @@ class Exchange:
 
     def needed(self) -> bool:
         """Whether any rank receives something (every rank gets the same answer)."""
-        return any(any(r != self.reader_of(index) for r in ranks) for index, ranks in self.needers.items())
+        return any(self.receivers.values())
 
     def run(self, resolve: Any) -> None:
         """Send what this rank read for others, receive what others read for it; ``resolve``: item -> target view."""
         group = comm.control_group()
         ops, landing = [], []
-        for index, ranks in sorted(self.needers.items(), key=lambda kv: _order(kv[0])):
+        for index, ranks in sorted(self.receivers.items(), key=lambda kv: _order(kv[0])):
             reader = self.reader_of(index)
-            if reader == self.rank:
-                payload = _host(self.chunks[index]) if any(r != self.rank for r in ranks) else None
-                ops += [dist.P2POp(dist.isend, payload, peer, group) for peer in ranks if peer != self.rank]
+            if reader == self.rank and ranks:
+                payload = _host(self.chunks[index])
+                ops += [dist.P2POp(dist.isend, payload, peer, group) for peer in ranks]
             elif self.rank in ranks:
                 whole = self._whole_target(index)
                 if whole is not None and whole.device.type == "cpu":
@@ -144,25 +212,42 @@ class Exchange:
                     resolve(item).copy_(narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths))
 
     def _whole_target(self, index: MetadataIndex) -> torch.Tensor | None:
-        """This rank's target if it is exactly the stored chunk (same box, dtype, contiguous), else None."""
-        wanted = self.mine.get(index, [])
-        if len(wanted) != 1:
-            return None
-        item = wanted[0]
-        sizes, dtype = self._chunk(index)
-        target = self.targets.get(item.dest_index.fqn)
-        if target is None or any(item.storage_offsets) or any(item.dest_offsets) or item.lengths != sizes:
-            return None
-        tensor = target.tensor.detach()
-        usable = tensor.shape == sizes and tensor.dtype == dtype and tensor.is_contiguous()
-        return tensor if usable else None
+        return _whole_target(self.mine.get(index, []), index, self.targets, self.metadata)
 
     def _chunk(self, index: MetadataIndex) -> tuple[torch.Size, torch.dtype]:
-        md = self.metadata.state_dict_metadata[index.fqn]
-        for chunk in md.chunks:
-            if chunk.offsets == index.offset:
-                return chunk.sizes, md.properties.dtype
-        raise KeyError(index)
+        return _chunk(self.metadata, index)
+
+    def _nbytes(self, index: MetadataIndex) -> int:
+        sizes, dtype = self._chunk(index)
+        return math.prod(sizes) * dtype.itemsize
+
+
+def _whole_target(
+    wanted: Sequence[ReadItem], index: MetadataIndex, targets: Mapping[str, Shard], metadata: Metadata
+) -> torch.Tensor | None:
+    """The target of ``wanted`` (a rank's items of one stored chunk) if it is exactly the chunk, else None.
+
+    Exactly: the same box, dtype and a contiguous tensor, so the chunk is read, sent and
+    received straight into it.
+    """
+    if len(wanted) != 1:
+        return None
+    item = wanted[0]
+    sizes, dtype = _chunk(metadata, index)
+    target = targets.get(item.dest_index.fqn)
+    if target is None or any(item.storage_offsets) or any(item.dest_offsets) or item.lengths != sizes:
+        return None
+    tensor = target.tensor.detach()
+    usable = tensor.shape == sizes and tensor.dtype == dtype and tensor.is_contiguous()
+    return tensor if usable else None
+
+
+def _chunk(metadata: Metadata, index: MetadataIndex) -> tuple[torch.Size, torch.dtype]:
+    md = metadata.state_dict_metadata[index.fqn]
+    for chunk in md.chunks:
+        if chunk.offsets == index.offset:
+            return chunk.sizes, md.properties.dtype
+    raise KeyError(index)
 
 
 def _order(index: MetadataIndex) -> tuple:

@@ -17,11 +17,13 @@ creates it at the same point) and again after the default group is re-created.
 from __future__ import annotations
 
 import os
+import pickle
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from shardpoint.errors import CheckpointError
@@ -50,29 +52,126 @@ def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
     """``obj`` from global rank ``src`` on every rank of ``group`` (None: the control group)."""
     if not initialized() or world_size() == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group or control_group())
-    return box[0]
+    group = group or control_group()
+    if not _framed(group):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+    data = _encode(obj) if rank() == src else b""
+    frame = _frame(data, BROADCAST_INLINE) if rank() == src else _empty(BROADCAST_INLINE)
+    dist.broadcast(frame, src=src, group=group)
+    length = _length(frame)
+    if length <= BROADCAST_INLINE:
+        return obj if rank() == src else _decode(frame[_HEADER:], length)
+    whole = _padded(data, length) if rank() == src else torch.empty(length, dtype=torch.uint8)
+    dist.broadcast(whole, src=src, group=group)
+    return obj if rank() == src else _decode(whole, length)
 
 
 def all_gather(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order of ``group`` (None: the control group)."""
     if not initialized() or world_size() == 1:
         return [obj]
     group = group or control_group()
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    size = dist.get_world_size(group)
+    if not _framed(group):
+        out: list[Any] = [None] * size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    data = _encode(obj)
+    frames = [_empty(GATHER_INLINE) for _ in range(size)]
+    dist.all_gather(frames, _frame(data, GATHER_INLINE), group=group)
+    lengths = [_length(f) for f in frames]
+    longest = max(lengths)
+    if longest <= GATHER_INLINE:
+        return [_decode(f[_HEADER:], n) for f, n in zip(frames, lengths)]
+    wholes = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    dist.all_gather(wholes, _padded(data, longest), group=group)
+    return [_decode(w, n) for w, n in zip(wholes, lengths)]
 
 
 def gather_to(obj: Any, dst: int, group: Any = None) -> list[Any] | None:
-    """Gather to global rank ``dst`` over ``group`` (None: the control group, or no group)."""
+    """Gather to global rank ``dst`` over ``group`` (None: the control group, or no group).
+
+    Objects too large for the gathered frame follow point to point, from just the
+    ranks whose object did not fit (only ``dst`` learns who they are).
+    """
     if not initialized() or (group is None and world_size() == 1):
         return [obj]
     group = group or control_group()
     size = dist.get_world_size(group)
-    out = [None] * size if rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
+    if not _framed(group):
+        out = [None] * size if rank() == dst else None
+        dist.gather_object(obj, out, dst=dst, group=group)
+        return out
+    data = _encode(obj)
+    frames = [_empty(GATHER_INLINE) for _ in range(size)] if rank() == dst else None
+    dist.gather(_frame(data, GATHER_INLINE), frames, dst=dst, group=group)
+    if rank() != dst:
+        if len(data) > GATHER_INLINE:
+            dist.send(_padded(data, len(data)), dst=dst, group=group)
+        return None
+    members = dist.get_process_group_ranks(group)
+    out = []
+    for member, frame in zip(members, frames):
+        length = _length(frame)
+        if length <= GATHER_INLINE:
+            out.append(_decode(frame[_HEADER:], length))
+        elif member == dst:
+            out.append(obj)
+        else:
+            whole = torch.empty(length, dtype=torch.uint8)
+            dist.recv(whole, src=member, group=group)
+            out.append(_decode(whole, length))
     return out
+
+
+# An object collective of torch sends the sizes first, then the pickled objects: two
+# collectives (three calls) for what is most often a few bytes (an agreement's "no
+# error"). Here the pickle travels inside a fixed-size frame behind its length, so a
+# round that fits is one collective; only a larger object needs a second message.
+#: bytes of a broadcast object that ride in the first message (every rank receives it once)
+BROADCAST_INLINE = 64 * 1024
+#: bytes per rank of a gathered object that ride in the first message (the receiver gets one per rank)
+GATHER_INLINE = 2 * 1024
+_HEADER = 8
+
+
+def _framed(group: Any) -> bool:
+    """Whether ``group`` takes the framed CPU messages: gloo (a trainer's NCCL group gets torch's own)."""
+    return dist.get_backend(group) == "gloo"
+
+
+def _encode(obj: Any) -> bytes:
+    # the ranks of one job trust each other as torch's object collectives do (they pickle too)
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode(tensor: torch.Tensor, length: int) -> Any:
+    return pickle.loads(tensor[:length].numpy().tobytes())
+
+
+def _empty(inline: int) -> torch.Tensor:
+    return torch.empty(_HEADER + inline, dtype=torch.uint8)
+
+
+def _frame(data: bytes, inline: int) -> torch.Tensor:
+    """The length of ``data`` and, if it fits in ``inline`` bytes, ``data`` itself."""
+    frame = torch.zeros(_HEADER + inline, dtype=torch.uint8)
+    frame[:_HEADER] = torch.frombuffer(bytearray(len(data).to_bytes(_HEADER, "little")), dtype=torch.uint8)
+    if 0 < len(data) <= inline:
+        frame[_HEADER : _HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return frame
+
+
+def _length(frame: torch.Tensor) -> int:
+    return int.from_bytes(frame[:_HEADER].numpy().tobytes(), "little")
+
+
+def _padded(data: bytes, length: int) -> torch.Tensor:
+    whole = torch.zeros(length, dtype=torch.uint8)
+    whole[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return whole
 
 
 def new_group(ranks: list[int] | None = None) -> Any:

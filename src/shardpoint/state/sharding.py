@@ -81,8 +81,16 @@ class Shard:
         return tuple(self.tensor.shape) == self.global_shape
 
     def like(self, tensor: torch.Tensor) -> Shard:
-        """The same box holding another tensor of the same shape (e.g. an Adam moment)."""
-        return Shard(tensor, self.global_shape, self.global_offset, self.replica_id)
+        """The same box holding another tensor of the same shape (e.g. an Adam moment).
+
+        A tensor of this shard's shape fits the box already checked, so the check is not
+        repeated: it was most of the cost of staging 10,000 small tensors.
+        """
+        if tensor.shape != self.tensor.shape:
+            return Shard(tensor, self.global_shape, self.global_offset, self.replica_id)
+        same = object.__new__(Shard)
+        same.__dict__.update(self.__dict__, tensor=tensor)
+        return same
 
 
 @dataclass
