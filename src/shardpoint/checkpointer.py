@@ -44,6 +44,7 @@ from shardpoint.state.train_state import (
     collect,
 )
 from shardpoint.storage.base import open_storage
+from shardpoint.storage.safe_io import paused_gc
 from shardpoint.tier import LocalTier, LocalTierOptions
 
 __all__ = ["VALIDATION_FILE", "Checkpointer", "LoadResult"]
@@ -246,13 +247,14 @@ class Checkpointer:
             raise ValueError(f"iteration must be >= 0, got {iteration}")
         start = time.perf_counter()
         self._finalize(blocking=True)
-        flat = collect(state, iteration=iteration)
         logits = validation_logits() if callable(validation_logits) else validation_logits
         attachments = {VALIDATION_FILE: logits} if logits is not None else {}
         attachments.update(_checked_files(files))
-        path = self._saver.start(
-            iteration, flat, metrics or {}, state.extra, background=self.async_save, attachments=attachments
-        )
+        with paused_gc():  # a save builds objects per tensor: at thousands, full collections cost more
+            flat = collect(state, iteration=iteration)
+            path = self._saver.start(
+                iteration, flat, metrics or {}, state.extra, background=self.async_save, attachments=attachments
+            )
         self.last_saved_iteration = iteration
         if self.async_save:
             self._saver.times.last_stall_seconds = time.perf_counter() - start
@@ -348,9 +350,10 @@ class Checkpointer:
         )
         self._finalize(blocking=True)
         self._saver.wait_deletions()  # a load may name an old iteration that retention is deleting
-        if self.local_tier is not None:  # the newest complete iteration of any tier (see shardpoint.tier)
-            return self.local_tier.load(state, opts, self._loader)
-        return self._loader.run(state, opts)
+        with paused_gc():  # as in save: read items, plans and shards per tensor
+            if self.local_tier is not None:  # the newest complete iteration of any tier (see shardpoint.tier)
+                return self.local_tier.load(state, opts, self._loader)
+            return self._loader.run(state, opts)
 
 
 def _checked_files(files: Mapping[str, bytes] | None) -> dict[str, bytes]:

@@ -9,6 +9,7 @@ names with size and checksum. On a load every rank calls ``load(ctx, flat, meta)
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,6 +49,9 @@ class FormatContext:
     rename: Any = None  # saved key -> current key on load: a mapping or a callable (see naming)
     verify: bool = False  # on load: check the checksums of the files a format checks while reading
     plan_cache: Any = None  # saves: the format's cache of the last plan (dist: formats.dist_replay), or None
+    # loads: the pipeline's checks of the checkpoint's files, for a format whose load runs them in its first
+    # agreement round (``checks_in_first_round``), to save a round; None: the pipeline ran them already
+    checks: Callable[[], None] | None = None
     for_coordinator: Any = None  # saves: what this rank's save() leaves for the format's finish() on rank 0
     pending: dict[str, Any] = field(default_factory=dict)  # saves: the format's own state from save() to finish()
 

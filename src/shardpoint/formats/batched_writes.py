@@ -121,7 +121,7 @@ def _write_one(batch: _Batch, data: Any, item: WriteItem) -> None:
     if item.type == WriteItemType.BYTE_IO:
         batch.write(data.getbuffer())
         return
-    tensor = data.detach().cpu()
+    tensor = data if data.device.type == "cpu" and not data.requires_grad else data.detach().cpu()
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
         tensor = tensor.clone()  # what DCP does: torch.save would write the whole storage of a view
     if templated(tensor):

@@ -60,7 +60,7 @@ from shardpoint.formats import shared_reads
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
 from shardpoint.formats.batched_writes import write_plan
 from shardpoint.formats.dcp_read import StreamingReads
-from shardpoint.formats.dist_replay import fingerprint_of, write_metadata, write_with_plan
+from shardpoint.formats.dist_replay import fingerprint_of, shard_spec, write_metadata, write_with_plan
 from shardpoint.parallel import comm
 from shardpoint.state import naming, rank_local
 from shardpoint.state.sharding import Shard
@@ -349,6 +349,7 @@ class DistFormat:
 
     name = "dist"
     shared_reads = True  # replicas split the reading (formats.shared_reads); False: every rank reads its own
+    checks_in_first_round = True  # load runs ``ctx.checks`` inside its plan round (see LoadPipeline._verify)
 
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         rank = comm.rank()
@@ -393,7 +394,7 @@ class DistFormat:
 
     def fingerprint(self, ctx: FormatContext, flat: FlatState) -> str | None:
         # the specs of the items ShardSavePlanner would plan, without building them (per-item cost)
-        specs = (_item_spec(key, shard) for key, shard in _shards(flat, comm.rank()).items() if _written(shard))
+        specs = (shard_spec(key, shard) for key, shard in _shards(flat, comm.rank()).items() if _written(shard))
         return fingerprint_of(specs, comm.rank(), comm.world_size())
 
     def finish(self, ctx: FormatContext, parts: list[Any]) -> dict[str, FileRecord]:
@@ -416,7 +417,7 @@ class DistFormat:
         return {name for name in meta.files if name.endswith(".distcp")}
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
-        """Two rounds at any rank count: one to agree on the plan, one on the outcome of the reads.
+        """Two rounds at any rank count: one to agree on the plan (and the file checks), one on the reads.
 
         A load needs no central planning (DCP's global load plan is every rank's own
         plan unchanged), so each rank runs DCP's reader and planner by itself
@@ -428,6 +429,8 @@ class DistFormat:
         local: dict[str, Any] = {}
 
         def prepare() -> tuple[list[str], dict]:
+            if ctx.checks is not None:
+                ctx.checks()  # the pipeline's file checks: their outcome rides on this round's
             local["metadata"] = metadata = reader.read_metadata()
             local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, metadata)
             _check_shapes(targets, metadata, meta, ctx)
@@ -435,7 +438,8 @@ class DistFormat:
             local["planner"] = planner = ShardLoadPlanner(present, ctx.directory)
             planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
             local["items"] = items = planner.create_local_plan().items
-            return sorted(targets), shared_reads.needs_of(items, present, metadata) if metadata.storage_data else {}
+            shares = metadata.storage_data and comm.world_size() > 1  # what shared reads plan with
+            return sorted(targets), shared_reads.needs_of(items, present, metadata) if shares else {}
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         prepared = comm.agree_all(prepare, "preparing the load")
@@ -559,13 +563,6 @@ def _shards(flat: FlatState, rank: int) -> dict[str, Shard]:
 def _written(shard: Shard) -> bool:
     """An empty local piece (uneven FSDP shards) has no box to write; DCP would dedup a real piece against it."""
     return shard.tensor.numel() > 0 or math.prod(shard.global_shape) == 0
-
-
-def _item_spec(key: str, shard: Shard) -> tuple:
-    """``dist_replay.item_spec`` of ``_write_item(key, shard)``."""
-    offset = tuple(shard.global_offset)
-    kind = (WriteItemType.SHARD if not shard.is_full else WriteItemType.TENSOR).value
-    return (key, offset, kind, (offset, tuple(shard.tensor.shape), tuple(shard.global_shape)), str(shard.tensor.dtype))
 
 
 def _write_item(key: str, shard: Shard) -> WriteItem:

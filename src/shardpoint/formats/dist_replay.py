@@ -32,18 +32,28 @@ committed save; a failed one empties it on every rank.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-__all__ = ["SavePlanCache", "fingerprint", "fingerprint_of", "item_spec", "write_metadata", "write_with_plan"]
+__all__ = [
+    "SavePlanCache",
+    "fingerprint",
+    "fingerprint_of",
+    "item_spec",
+    "shard_spec",
+    "write_metadata",
+    "write_with_plan",
+]
 
 _METADATA = ".metadata"
 
@@ -91,8 +101,7 @@ def fingerprint_of(specs: Iterable[tuple], rank: int, world: int) -> str:
     """:func:`fingerprint` of the items :func:`item_spec` describes (built without a plan where that is cheaper)."""
     digest = xxhash.xxh3_128()
     digest.update(f"{rank}/{world}".encode())
-    for spec in specs:
-        digest.update(repr(spec).encode())
+    digest.update("\n".join(map(repr, specs)).encode())  # one update: at 10,000 items the calls showed
     return digest.hexdigest()
 
 
@@ -106,6 +115,25 @@ def item_spec(item: WriteItem) -> tuple:
         None if data is None else (tuple(data.chunk.offsets), tuple(data.chunk.sizes), tuple(data.size)),
         None if data is None else str(data.properties.dtype),
     )
+
+
+def shard_spec(key: str, shard: Any) -> tuple:
+    """:func:`item_spec` of the item DCP plans for ``shard`` (a :class:`~shardpoint.state.sharding.Shard`).
+
+    Built from the shard itself, without the write item: a replayed save checks its
+    structure through this at every save, and at 10,000 tensors the items cost more.
+    """
+    offset, local, full = shard.global_offset, tuple(shard.tensor.shape), shard.global_shape
+    kind = _TENSOR if local == full else _SHARD
+    return (key, offset, kind, (offset, local, full), _dtype_name(shard.tensor.dtype))
+
+
+_SHARD, _TENSOR = WriteItemType.SHARD.value, WriteItemType.TENSOR.value
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype)
 
 
 def write_with_plan(writer: Any, planner: Any, state_dict: dict[str, Any], plan: SavePlan, rank: int) -> list:

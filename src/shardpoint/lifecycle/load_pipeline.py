@@ -240,15 +240,21 @@ class LoadPipeline:
         """Check this rank's share of the files; returns those the format checksums while reading.
 
         The files are every file some rank reads (each rank's own list may differ: torch
-        format), split over all ranks.
+        format), split over all ranks. A format that says ``checks_in_first_round`` runs
+        the check itself, first thing in its first agreement, so no rank reads a tensor
+        from a damaged checkpoint and the load needs no round of its own for it.
         """
         fmt, meta = opened.fmt, opened.meta
         files = fmt.files_read_by_all(meta)
         streamed = fmt.checksummed_while_reading(meta) if opts.verify else set()
-        comm.agree(
-            lambda: verify_share(opened.storage, opened.path, meta, files, opts.verify, streamed),
-            "verifying checkpoint files",
-        )
+
+        def check() -> None:
+            verify_share(opened.storage, opened.path, meta, files, opts.verify, streamed)
+
+        if getattr(fmt, "checks_in_first_round", False):
+            opened.ctx.checks = check  # the format's first round carries the outcome: one round fewer
+        else:
+            comm.agree(check, "verifying checkpoint files")
         return streamed
 
     def _collect_targets(self, state: TrainState, opened: _Opened, opts: LoadOptions) -> FlatState:

@@ -61,19 +61,19 @@ class Shard:
     replica_id: int = 0
 
     def __post_init__(self) -> None:
-        self.global_shape = tuple(int(s) for s in self.global_shape)
-        self.global_offset = tuple(int(o) for o in self.global_offset)
+        # built for every tensor at every save: map() and one zip keep it about 1 µs
+        self.global_shape = shape = tuple(map(int, self.global_shape))
+        self.global_offset = offset = tuple(map(int, self.global_offset))
         local = tuple(self.tensor.shape)
-        if not (len(local) == len(self.global_shape) == len(self.global_offset)):
+        if not (len(local) == len(shape) == len(offset)):
             raise ValueError(
                 f"Shard of local shape {local} needs global_shape and global_offset of {len(local)} dims, "
-                f"got {self.global_shape} and {self.global_offset}"
+                f"got {shape} and {offset}"
             )
-        for dim, (size, full, offset) in enumerate(zip(local, self.global_shape, self.global_offset)):
-            if offset < 0 or offset + size > full:
+        for dim, (size, full, start) in enumerate(zip(local, shape, offset)):
+            if start < 0 or start + size > full:
                 raise ValueError(
-                    f"Shard of local shape {local} at offset {self.global_offset} does not fit "
-                    f"in global shape {self.global_shape} (dim {dim})"
+                    f"Shard of local shape {local} at offset {offset} does not fit in global shape {shape} (dim {dim})"
                 )
 
     @property
