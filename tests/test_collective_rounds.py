@@ -19,10 +19,10 @@ from tests import toy
 from tests.distributed import launch
 
 # documented in the README: a save of an unchanged structure (start round + the commit's two, one call
-# each when its objects fit their frames, see parallel/comm.py); a load (find, verify, plan, outcome, and
-# one agreement more when replicas split their reads, as in this toy state of dp replicas)
+# each when its objects fit their frames, see parallel/comm.py); a load (find, plan with the file checks,
+# outcome, and one agreement more when replicas split their reads, as in this toy state of dp replicas)
 SAVE_CALLS = 4
-LOAD_CALLS = 6
+LOAD_CALLS = 5
 
 CALLS: collections.Counter = collections.Counter()
 
