@@ -262,7 +262,7 @@ def _warm_up(m: Methods, pairs: list[list[tuple[str, Callable[[], Any]]]], round
     for _ in range(rounds):
         for pair in pairs:
             for name, fn in pair:
-                for _ in range((m.keep_last or 0) + 1 if name in _RETAINED else 1):
+                for _ in range(((m.keep_last or 0) + 1) if name in _RETAINED else 1):
                     fn()
                     m.settle()
 

@@ -196,5 +196,5 @@ def _worth_threads(
 ) -> bool:
     if not storage.is_local:
         return True  # each existence and size check is a request: overlap them
-    hashed = sum(meta.files[n].size for n in names if n in meta.files and n not in sizes_only) if checksums else 0
+    hashed = sum(meta.files[n].size for n in names if n not in sizes_only) if checksums else 0
     return hashed >= _THREAD_MIN_BYTES

@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from shardpoint.state.sharding import Shard
+
 __all__ = [
     "SavePlanCache",
     "fingerprint",
@@ -117,8 +119,8 @@ def item_spec(item: WriteItem) -> tuple:
     )
 
 
-def shard_spec(key: str, shard: Any) -> tuple:
-    """:func:`item_spec` of the item DCP plans for ``shard`` (a :class:`~shardpoint.state.sharding.Shard`).
+def shard_spec(key: str, shard: Shard) -> tuple:
+    """:func:`item_spec` of the item DCP plans for ``shard``.
 
     Built from the shard itself, without the write item: a replayed save checks its
     structure through this at every save, and at 10,000 tensors the items cost more.

@@ -93,33 +93,36 @@ def plan_sharing(
     files: Mapping[MetadataIndex, str],
     chunk_bytes: Mapping[MetadataIndex, int],
     budget: int,
+    readers: Mapping[str, int] | None = None,
 ) -> dict[MetadataIndex, list[int]]:
     """For each stored item some rank reads for others: the ranks that receive it from its file's reader.
 
     Identical on every rank. A chunk costs its reader a buffer unless it is exactly one of
     the reader's targets, and a receiver likewise; no rank's buffers exceed ``budget``.
     A needer left out (its bound reached, or the reader's) reads its items itself.
+    ``readers``: :func:`plan_reads` of the same needs, if the caller has it already.
     """
-    readers = plan_reads(needs, files)
+    readers = plan_reads(needs, files) if readers is None else readers
+    needers: dict[MetadataIndex, list[int]] = {}
+    for rank, rank_needs in enumerate(needs):
+        for index in rank_needs:
+            needers.setdefault(index, []).append(rank)
     held = [0] * len(needs)
     receivers: dict[MetadataIndex, list[int]] = {}
-    for index in sorted({i for rank_needs in needs for i in rank_needs}, key=_order):
+    for index in sorted(needers, key=_order):
         reader = readers[files[index]]
-        others = [r for r, rank_needs in enumerate(needs) if index in rank_needs and r != reader]
+        others = [r for r in needers[index] if r != reader]
         if not others:
             continue
         size = chunk_bytes[index]
-
-        def cost(rank: int, index: MetadataIndex = index, size: int = size) -> int:
-            return 0 if needs[rank].get(index, (0, False))[1] else size
-
+        cost = {r: 0 if needs[r].get(index, (0, False))[1] else size for r in (reader, *others)}
         taken: list[int] = []
-        if held[reader] + cost(reader) <= budget:
-            taken = [r for r in others if held[r] + cost(r) <= budget]
+        if held[reader] + cost[reader] <= budget:
+            taken = [r for r in others if held[r] + cost[r] <= budget]
             for r in taken:
-                held[r] += cost(r)
+                held[r] += cost[r]
             if taken:
-                held[reader] += cost(reader)
+                held[reader] += cost[reader]
         receivers[index] = taken
     return receivers
 
@@ -143,7 +146,7 @@ class Exchange:
         sizes = {index: self._nbytes(index) for index in self.files}
         bound = EXCHANGE_BUFFER_BYTES if budget is None else budget
         #: stored item -> the ranks that receive it from its reader (the reader's own reads are not listed)
-        self.receivers = plan_sharing(needs, self.files, sizes, bound)
+        self.receivers = plan_sharing(needs, self.files, sizes, bound, self.readers)
         #: stored items this rank reads itself although another rank reads their file
         self.direct = {
             index

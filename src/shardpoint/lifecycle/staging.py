@@ -83,11 +83,12 @@ class HostStaging:
         With ``everything`` the result is a snapshot the trainer may change right after
         this returns (small state deep-copied too); without, CPU tensors are the trainer's own.
         """
-        sources = {key: s.tensor for key, s in flat.tensors.items() if everything or s.tensor.device.type != "cpu"}
-        sources.update(
-            {_RANK_LOCAL + key: t for key, t in flat.rank_local.items() if everything or t.device.type != "cpu"}
-        )
-        sources = {k: t.detach() for k, t in sources.items()}
+
+        def staged(tensor: torch.Tensor) -> bool:
+            return everything or tensor.device.type != "cpu"
+
+        sources = {key: s.tensor.detach() for key, s in flat.tensors.items() if staged(s.tensor)}
+        sources.update({_RANK_LOCAL + key: t.detach() for key, t in flat.rank_local.items() if staged(t)})
         if not sources and not everything:
             return flat
         self._prepare(sources)
