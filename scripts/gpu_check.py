@@ -105,6 +105,44 @@ def _staging_memory(root: str, device: torch.device) -> None:
         print(f"    staging host memory / state: {ratio:.3f}", flush=True)
 
 
+def _shared_read_load(root: str, device: torch.device) -> None:
+    """dp replicas load a dist checkpoint reading each stored byte once; on NCCL the chunks go device to device."""
+    from shardpoint.catalog.metadata import CheckpointMetadata
+
+    model = _model(device, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, device)
+    topo = sp.Topology(1, 1, dist.get_world_size())
+    sp.Checkpointer(root, topology=topo).save(2, sp.TrainState(model, opt))
+    groups: set[str] = set()
+    batch = dist.batch_isend_irecv
+
+    def recording(ops):
+        groups.update("trainer" if op.group is dist.group.WORLD else "control" for op in ops)
+        groups.update(op.tensor.device.type for op in ops)
+        return batch(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        fresh = _model(device, 1)
+        result = sp.Checkpointer(root, topology=topo).load(sp.TrainState(fresh, torch.optim.AdamW(fresh.parameters())))
+    finally:
+        dist.batch_isend_irecv = batch
+    for key, value in _full(model).items():
+        assert torch.equal(_full(fresh)[key], value), key
+    total = torch.tensor([result.bytes_read], device=device)
+    dist.all_reduce(total)
+    with open(os.path.join(root, "iter_0000002", "shardpoint.json")) as f:
+        meta = CheckpointMetadata.from_json(f.read(), root)
+    stored = sum(record.size for name, record in meta.files.items() if name.endswith(".distcp"))
+    assert int(total) == stored, f"{int(total)} bytes read for {stored} stored"
+    if dist.get_world_size() > 1:
+        want = {"trainer", device.type} if device.type == "cuda" else {"control", "cpu"}
+        assert groups == want, f"chunks travelled as {sorted(groups)}, expected {sorted(want)}"
+    if dist.get_rank() == 0:
+        print(f"    bytes read / stored: {int(total) / stored:.3f}; chunks: {sorted(groups)}", flush=True)
+
+
 def main() -> int:
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -120,6 +158,7 @@ def main() -> int:
         "torch format": lambda: _torch_format_round_trip(f"{root}/torch", device),
         "torch format, ZeRO slices": lambda: _zero_torch_format_round_trip(f"{root}/zero", device),
         "async staging memory": lambda: _staging_memory(f"{root}/staging", device),
+        "dist load, each stored byte read once": lambda: _shared_read_load(f"{root}/shared", device),
     }
     failed = 0
     for name, check in checks.items():

@@ -177,3 +177,24 @@ def test_the_fingerprint_without_a_plan_is_the_plans():
     plan = ShardSavePlanner(shards).create_local_plan()
     assert len(plan.items) == 4
     assert DistFormat().fingerprint(None, flat) == fingerprint(plan, 0, 1)
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["read-once", "damage-near-the-end"])
+def test_a_tensor_read_straight_into_its_target_is_read_once_and_checked_whole(tmp_path, damaged):
+    """Its last bytes come with the archive's end (read first, to locate the data): not read a second time."""
+    tensors = {"w": torch.randn(64, 128), "big": torch.randn(TEMPLATE_MAX_BYTES // 4 + 7)}
+    with sp.Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, sp.TrainState(_Tensors(tensors)))
+    files = list((tmp_path / "iter_0000001").glob("*.distcp"))
+    loaded = {k: torch.zeros_like(t) for k, t in tensors.items()}
+    if damaged:  # inside the tensor's last 4 KiB, before the archive's records and directory
+        (victim,) = files
+        data = bytearray(victim.read_bytes())
+        data[len(data) - 2000] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        with pytest.raises(sp.CorruptCheckpointError, match=victim.name):
+            sp.Checkpointer(str(tmp_path)).load(sp.TrainState(_Tensors(loaded)))
+        return
+    result = sp.Checkpointer(str(tmp_path)).load(sp.TrainState(_Tensors(loaded)))
+    assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+    assert result.bytes_read == sum(f.stat().st_size for f in files)

@@ -118,3 +118,85 @@ def test_sharing_gives_no_rank_more_buffers_than_the_bound():
     assert shared_reads.plan_sharing(needs, files, sizes, 100) == {a: [1], b: [], c: [0]}
     # no room: only exact targets still travel (they cost no buffer)
     assert shared_reads.plan_sharing(needs, files, sizes, 0) == {a: [], b: [], c: [0]}
+
+
+def _load_over_route(rank: int, world: int, root: str, route: str, tp: int):
+    """Load what ``_save_tp2_dp2`` wrote at tp=``tp`` (dp = 4 / tp), recording the group of every chunk sent."""
+    import torch.distributed as dist
+
+    from shardpoint.formats.dist import DistFormat
+
+    DistFormat.exchange_route = route
+    groups: list[str] = []
+    batch = dist.batch_isend_irecv
+
+    def recording(ops):
+        groups.extend("trainer" if op.group is dist.group.WORLD else "control" for op in ops)
+        return batch(ops)
+
+    dist.batch_isend_irecv = recording
+    topo = sp.Topology(tp, 1, world // tp)
+    state = toy.build(topo, zero=False)
+    result = sp.Checkpointer(root, topology=topo).load(state)
+    return {"bytes_read": result.bytes_read, "loaded": toy.snapshot(state), "groups": groups}
+
+
+@pytest.mark.parametrize("tp", [2, 4], ids=["replicas-whole-targets", "reshard-partial-receives"])
+@pytest.mark.parametrize("route", ["auto", "trainer"])
+def test_chunks_travel_on_the_route_chosen_and_land_exactly(tmp_path, tp, route):
+    """The device route (NCCL on GPUs) run on a gloo trainer group: same reads, same values, other group.
+
+    ``auto`` with CPU targets keeps the control group; ``trainer`` posts the same
+    transfers on the default group, after the all-reduce every rank joins.
+    """
+    saved = toy.assemble(launch(_save_tp2_dp2, 4, str(tmp_path)))
+    loaded = launch(_load_over_route, 4, str(tmp_path), route, tp, backend="gloo")
+    got = toy.assemble([r["loaded"] for r in loaded])
+    assert got.keys() == saved.keys()
+    for key in saved:
+        assert torch.equal(got[key], saved[key]), key
+    assert sum(r["bytes_read"] for r in loaded) == _stored_data_bytes(str(tmp_path))
+    groups = {g for r in loaded for g in r["groups"]}
+    assert groups == {"control" if route == "auto" else "trainer"}
+
+
+def _fail_staging_on_rank_1(rank: int, world: int, root: str):
+    from shardpoint.formats.shared_reads import Exchange
+
+    stage = Exchange.stage
+
+    def failing(self):
+        if rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (staged on purpose)")
+        stage(self)
+
+    Exchange.stage = failing
+    topo = sp.Topology(1, 1, world)
+    try:
+        sp.Checkpointer(root, topology=topo).load(toy.build(topo, zero=False))
+    except sp.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_staging_failure_on_one_rank_stops_every_rank_before_any_transfer(tmp_path):
+    launch(_save_tp2_dp2, 4, str(tmp_path))
+    outcomes = launch(_fail_staging_on_rank_1, 4, str(tmp_path))
+    assert "out of memory" in outcomes[1] and "a file is damaged" not in outcomes[1]
+    for rank in (0, 2, 3):
+        assert "rank(s) [1]" in outcomes[rank] and "out of memory" in outcomes[rank], outcomes[rank]
+
+
+def test_only_a_backend_that_moves_device_memory_itself_takes_the_device_route():
+    from shardpoint.parallel.comm import moves_directly
+
+    assert moves_directly("nccl", "cuda")
+    assert moves_directly("cpu:gloo,cuda:nccl", "cuda")
+    assert not moves_directly("cpu:gloo,cuda:nccl", "cpu")
+    assert not moves_directly("gloo", "cuda")  # gloo stages CUDA tensors through host memory itself
+    assert not moves_directly("gloo", "cpu")
+    assert not moves_directly("nccl", "cpu")
+    # without a process group every load takes the control route (one process, nothing travels)
+    assert shared_reads.route_for([("cuda",), ("cuda",)]).trainer is False
+    with pytest.raises(ValueError, match="exchange route 'nccl'"):
+        shared_reads.route_for([("cpu",)], "nccl")

@@ -179,12 +179,14 @@ class StreamingReads:
             return buffer[:length]
         start, size = found
         destination = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        end = length - _HEAD  # the item's last _HEAD bytes (the tensor's last ones, the directory) are read
         destination[: head - start] = buffer[start:head]  # the tensor's first bytes came with the headers
         _update(digest, buffer[:head])
-        _read_exactly(stream, destination[head - start :], name, digest)
-        # the records after the tensor and the directory were read with the item's end: hash them, skip past
-        _update(digest, buffer[head + _HEAD - (length - start - size) : head + _HEAD])
-        stream.seek(length - start - size, io.SEEK_CUR)
+        _read_exactly(stream, destination[head - start : end - start], name, digest)
+        last = buffer[head : head + _HEAD]
+        destination[end - start :] = last[: start + size - end]  # not read twice: bytes read / stored is 1
+        _update(digest, last)
+        stream.seek(_HEAD, io.SEEK_CUR)
         planner.commit_tensor(wanted[0], target)
         return None
 

@@ -349,6 +349,7 @@ class DistFormat:
 
     name = "dist"
     shared_reads = True  # replicas split the reading (formats.shared_reads); False: every rank reads its own
+    exchange_route = "auto"  # how shared reads pass chunks on (shared_reads.route_for): auto, control, trainer
     checks_in_first_round = True  # load runs ``ctx.checks`` inside its plan round (see LoadPipeline._verify)
 
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
@@ -438,18 +439,20 @@ class DistFormat:
             local["planner"] = planner = ShardLoadPlanner(present, ctx.directory)
             planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
             local["items"] = items = planner.create_local_plan().items
-            shares = metadata.storage_data and comm.world_size() > 1  # what shared reads plan with
-            return sorted(targets), shared_reads.needs_of(items, present, metadata) if shares else {}
+            if not (metadata.storage_data and comm.world_size() > 1):
+                return sorted(targets), {}, ()
+            return sorted(targets), shared_reads.needs_of(items, present, metadata), shared_reads.device_types(present)
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         prepared = comm.agree_all(prepare, "preparing the load")
         metadata, plan, present = local["metadata"], local["plan"], local["present"]
-        wanted, saved = set().union(*(keys for keys, _ in prepared)), set(metadata.state_dict_metadata)
+        wanted, saved = set().union(*(keys for keys, _, _ in prepared)), set(metadata.state_dict_metadata)
         missing, unexpected = sorted(wanted - saved), unexpected_keys(saved, wanted)
         shared = self.shared_reads and comm.world_size() > 1 and bool(metadata.storage_data)
-        exchange = (
-            shared_reads.Exchange(local["items"], present, [n for _, n in prepared], metadata) if shared else None
-        )
+        exchange = None
+        if shared:
+            route = shared_reads.route_for([types for _, _, types in prepared], self.exchange_route)
+            exchange = shared_reads.Exchange(local["items"], present, [n for _, n, _ in prepared], metadata, route)
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
 
         def read() -> tuple[list[str], int]:
@@ -459,6 +462,8 @@ class DistFormat:
                     reader.read_data(LoadPlan(local["items"]), local["planner"]).wait()
                 else:
                     _read_items(reader, metadata, present, exchange, ctx.directory)
+            if exchange is not None:
+                exchange.stage()  # outside _dcp_errors: a GPU out of memory is not a damaged file
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
             return sorted(reader.checked), reader.bytes_read

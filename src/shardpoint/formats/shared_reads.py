@@ -16,24 +16,36 @@ needs. Then, identically on every rank and without another message:
 2. each rank reads its files: its own items into its targets, and the whole stored
    chunk of every item that another rank needs (:meth:`Exchange.read_items`); a chunk
    that is exactly one of its own targets is read straight into it.
-3. once every rank's reads succeeded (agreed), :meth:`Exchange.run` sends each chunk
-   from its reader to the ranks that need it, point to point on the control group, in
-   one batch in the same order everywhere. A chunk that is exactly a receiver's target
-   lands in it directly; otherwise in a chunk-sized buffer whose overlap is copied in.
+3. still inside the read round, :meth:`Exchange.stage` puts what each rank sends and
+   receives on the route's device (:func:`route_for`), so a failure there (a GPU out of
+   memory) stops every rank before any transfer is posted;
+4. once every rank's reads succeeded (agreed), :meth:`Exchange.run` sends each chunk
+   from its reader to the ranks that need it, point to point, in one batch in the same
+   order everywhere. A chunk that is exactly a receiver's target lands in it directly;
+   otherwise in a chunk-sized buffer whose overlap is copied in.
+
+The route: when every rank's targets are on one accelerator type that the trainer's
+group moves itself (CUDA on NCCL), the chunks go device to device on that group, from
+the main thread; every rank joins one small all-reduce on it first, because NCCL needs
+every rank in a group's first call and a batch of sends involves only some. Otherwise
+(CPU targets, gloo, mixed devices) they go over the gloo control group, through host
+copies of GPU tensors.
 
 Memory: beyond its own state a rank holds the chunks it reads for others that it does
 not hold itself, and the chunks it receives only in part (resharding); for replicas
 neither exists. Both are bounded: :func:`plan_sharing` gives no rank more than
 :data:`EXCHANGE_BUFFER_BYTES` of them, and a chunk that would exceed a rank's bound is
 read by each rank that needs it, as without sharing (only resharded loads far larger
-than the bound read some bytes more than once). GPU targets go through host copies (the
-control group is gloo).
+than the bound read some bytes more than once). On the device route the same bound holds
+for the device copies: chunks read for others move to the GPU (their host buffer is
+freed), and partial receives land in GPU buffers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +57,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
 
-__all__ = ["EXCHANGE_BUFFER_BYTES", "Exchange", "Need", "needs_of", "plan_reads", "plan_sharing"]
+__all__ = [
+    "EXCHANGE_BUFFER_BYTES",
+    "Exchange",
+    "Need",
+    "Route",
+    "device_types",
+    "needs_of",
+    "plan_reads",
+    "plan_sharing",
+    "route_for",
+]
 
 _PEER = "__shardpoint_peer__/"  # target keys of chunks read for other ranks
 
@@ -68,6 +90,41 @@ def needs_of(items: Sequence[ReadItem], targets: Mapping[str, Shard], metadata: 
         index: (storage[index].length, _whole_target(wanted, index, targets, metadata) is not None)
         for index, wanted in grouped.items()
     }
+
+
+def device_types(targets: Mapping[str, Shard]) -> tuple[str, ...]:
+    """This rank's other part of the planning round: the device types its targets live on."""
+    return tuple(sorted({shard.tensor.device.type for shard in targets.values()}))
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a shared load's chunks travel: over which group, in buffers on which device."""
+
+    group: Any
+    device: torch.device
+    #: on the trainer's group (device to device under NCCL), not the control group
+    trainer: bool
+
+
+def route_for(types: Sequence[Sequence[str]], force: str = "auto") -> Route:
+    """The route of a shared load, the same on every rank. ``types[r]``: :func:`device_types` of rank r.
+
+    ``auto``: the trainer's group when every rank's targets are on one accelerator type
+    that it moves directly (:func:`shardpoint.parallel.comm.device_group`), else the
+    control group. ``"control"`` and ``"trainer"`` force one; ``"trainer"`` with CPU
+    targets suits only a gloo trainer group (it is how CPU CI runs this route).
+    """
+    if force not in ("auto", "control", "trainer"):
+        raise ValueError(f"exchange route {force!r}: use 'auto', 'control' or 'trainer'")
+    kinds = set().union(*map(set, types))
+    kind = next(iter(kinds)) if len(kinds) == 1 else "cpu"
+    if force == "control" or (force == "auto" and comm.device_group(kind) is None):
+        return Route(comm.control_group(), torch.device("cpu"), trainer=False)
+    device = torch.device("cpu")
+    if kind != "cpu":  # each rank's own current device (cuda:LOCAL_RANK)
+        device = torch.device(kind, torch.get_device_module(kind).current_device())
+    return Route(dist.group.WORLD, device, trainer=True)
 
 
 def plan_reads(needs: Sequence[Mapping[MetadataIndex, Need]], files: Mapping[MetadataIndex, str]) -> dict[str, int]:
@@ -136,11 +193,12 @@ class Exchange:
         targets: Mapping[str, Shard],
         needs: Sequence[Mapping[MetadataIndex, Need]],
         metadata: Metadata,
+        route: Route,
         budget: int | None = None,
     ):
         storage = metadata.storage_data
         self.rank = comm.rank()
-        self.targets, self.metadata = targets, metadata
+        self.targets, self.metadata, self.route = targets, metadata, route
         self.files = {index: storage[index].relative_path for rank_needs in needs for index in rank_needs}
         self.readers = plan_reads(needs, self.files)
         sizes = {index: self._nbytes(index) for index in self.files}
@@ -157,6 +215,8 @@ class Exchange:
         for item in items:
             self.mine.setdefault(item.storage_index, []).append(item)
         self.chunks: dict[MetadataIndex, torch.Tensor] = {}  # what this rank sends, by stored item
+        self.incoming: dict[MetadataIndex, torch.Tensor] = {}  # where what it receives lands (stage)
+        self.landing: list[MetadataIndex] = []  # received into a buffer, copied into its targets after
 
     def reader_of(self, index: MetadataIndex) -> int:
         return self.readers[self.files[index]]
@@ -167,8 +227,8 @@ class Exchange:
         for index, wanted in self.mine.items():
             if self.reader_of(index) == self.rank or index in self.direct:
                 plan += wanted
-        for index, ranks in sorted(self.receivers.items(), key=lambda kv: _order(kv[0])):
-            if self.reader_of(index) != self.rank or not ranks:
+        for index, _ in self._transfers():
+            if self.reader_of(index) != self.rank:
                 continue
             whole = self._whole_target(index)
             if whole is not None:
@@ -187,32 +247,48 @@ class Exchange:
         """Whether any rank receives something (every rank gets the same answer)."""
         return any(self.receivers.values())
 
-    def run(self, resolve: Any) -> None:
-        """Send what this rank read for others, receive what others read for it; ``resolve``: item -> target view."""
-        group = comm.control_group()
-        ops, landing = [], []
-        for index, ranks in sorted(self.receivers.items(), key=lambda kv: _order(kv[0])):
-            reader = self.reader_of(index)
-            if reader == self.rank and ranks:
-                payload = _host(self.chunks[index])
-                ops += [dist.P2POp(dist.isend, payload, peer, group) for peer in ranks]
+    def stage(self) -> None:
+        """Put what this rank sends and receives on the route's device, before any rank posts a transfer.
+
+        Called inside the read round: a failure here (a GPU out of memory) then stops
+        every rank, where under NCCL a rank waiting on a transfer that never comes hangs.
+        """
+        device = self.route.device
+        for index, ranks in self._transfers():
+            if self.reader_of(index) == self.rank:
+                self.chunks[index] = self.chunks[index].detach().to(device).contiguous()
             elif self.rank in ranks:
                 whole = self._whole_target(index)
-                if whole is not None and whole.device.type == "cpu":
-                    buffer = whole
-                else:
+                if whole is None or whole.device != device:
                     sizes, dtype = self._chunk(index)
-                    buffer = torch.empty(sizes, dtype=dtype)
-                ops.append(dist.P2POp(dist.irecv, buffer, reader, group))
-                if buffer is not whole:
-                    landing.append((index, buffer))
+                    whole = torch.empty(sizes, dtype=dtype, device=device)
+                    self.landing.append(index)
+                self.incoming[index] = whole
+
+    def run(self, resolve: Any) -> None:
+        """Send what this rank read for others, receive what others read for it; ``resolve``: item -> target view."""
+        group = self.route.group
+        if self.route.trainer:  # NCCL: a group's first call must include every rank, and a batch need not
+            dist.all_reduce(torch.zeros(1, device=self.route.device), group=group)
+        ops = []
+        for index, ranks in self._transfers():
+            if index in self.chunks:
+                ops += [dist.P2POp(dist.isend, self.chunks[index], peer, group) for peer in ranks]
+            elif index in self.incoming:
+                ops.append(dist.P2POp(dist.irecv, self.incoming[index], self.reader_of(index), group))
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         with torch.no_grad():
-            for index, chunk in landing:
+            for index in self.landing:
+                chunk = self.incoming[index]
                 for item in self.mine[index]:
                     resolve(item).copy_(narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths))
+
+    def _transfers(self) -> list[tuple[MetadataIndex, list[int]]]:
+        """The stored items that travel and their receivers, in the order every rank uses."""
+        ordered = sorted(self.receivers.items(), key=lambda kv: _order(kv[0]))
+        return [(index, ranks) for index, ranks in ordered if ranks]
 
     def _whole_target(self, index: MetadataIndex) -> torch.Tensor | None:
         return _whole_target(self.mine.get(index, []), index, self.targets, self.metadata)
@@ -255,8 +331,3 @@ def _chunk(metadata: Metadata, index: MetadataIndex) -> tuple[torch.Size, torch.
 
 def _order(index: MetadataIndex) -> tuple:
     return index.fqn, tuple(index.offset or ())
-
-
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with ``tensor``'s values (the control group is gloo)."""
-    return tensor.detach().to("cpu").contiguous()

@@ -200,6 +200,32 @@ def control_group() -> Any:
     return _control["group"]
 
 
+def device_group(device_type: str) -> Any:
+    """The trainer's default group if its backend moves ``device_type`` tensors itself, else None.
+
+    Bulk tensor data between GPUs (a shared load's chunks) belongs on NCCL, device to
+    device over NVLink or InfiniBand, not through host copies on the gloo control group.
+    Only data goes there, never control traffic, and only from the main thread.
+    """
+    if not initialized() or device_type == "cpu":
+        return None
+    world = dist.group.WORLD
+    return world if moves_directly(str(dist.get_backend(world)), device_type) else None
+
+
+def moves_directly(backend: str, device_type: str) -> bool:
+    """Whether ``backend`` (``"nccl"``, ``"cpu:gloo,cuda:nccl"``) moves ``device_type`` tensors without host copies.
+
+    Gloo claims CUDA too, but stages it through host memory: that is what the control group already does.
+    """
+    if ":" in backend:
+        per_device = dict(part.split(":", 1) for part in backend.split(","))
+        name = per_device.get(device_type)
+    else:
+        name = backend if device_type in dist.Backend.backend_capability.get(backend, []) else None
+    return name is not None and name != "gloo"
+
+
 def barrier(group: Any = None) -> None:
     if initialized() and world_size() > 1:
         dist.barrier(group=group or control_group())
