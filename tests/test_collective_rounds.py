@@ -162,3 +162,43 @@ def test_a_changed_structure_is_planned_again_and_every_checkpoint_loads_exactly
     plain = {k: torch.zeros_like(v) for k, v in saved.items() if k.startswith("model.")}
     dcp.load(plain, checkpoint_id=str(tmp_path / "iter_0000003"))
     assert plain and all(torch.equal(plain[k], saved[k]) for k in plain)
+
+
+class _Replicated(torch.nn.Module):
+    """Many small tensors every rank holds whole (dp replicas): every rank needs every stored item."""
+
+    def __init__(self, count: int):
+        super().__init__()
+        self.tensors = {
+            f"model.block_{i:03d}.attention.query_key_value.weight": torch.full((4,), float(i)) for i in range(count)
+        }
+
+    def sharded_state_dict(self):
+        return self.tensors
+
+
+def _load_calls_with_many_tensors(rank: int, world: int, root: str, count: int):
+    _count_collectives()
+    topo = sp.Topology(1, 1, world)
+    sp.Checkpointer(root, topology=topo).save(1, sp.TrainState(_Replicated(count)))
+    fresh = _Replicated(count)
+    for tensor in fresh.tensors.values():
+        tensor.zero_()
+    load = _calls(lambda: sp.Checkpointer(root, topology=topo).load(sp.TrainState(fresh)))
+    return {
+        "load": load,
+        "same": all(torch.equal(t, torch.full((4,), float(i))) for i, t in enumerate(fresh.tensors.values())),
+    }
+
+
+def test_the_load_plan_round_stays_one_call_with_hundreds_of_tensors(tmp_path):
+    """Every rank receives every rank's plan message: keys as bits and needs as positions keep it in one frame.
+
+    With names (about 100 bytes per item) 200 tensors overflow the 2 KiB frame and the
+    round takes a second collective; as sent it is about 5 bytes per item.
+    """
+    small = launch(_load_calls_with_many_tensors, 4, str(tmp_path / "small"), 4)
+    many = launch(_load_calls_with_many_tensors, 4, str(tmp_path / "many"), 200)
+    assert all(r["same"] for r in small + many)
+    assert {r["load"] for r in many} == {r["load"] for r in small}
+    assert max(r["load"] for r in many) <= LOAD_CALLS

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import shardpoint as sp
 from shardpoint.catalog.metadata import CheckpointMetadata
@@ -58,7 +57,7 @@ def test_every_stored_byte_is_read_once_from_s3(s3_server, bucket):
 
 
 def test_each_file_goes_to_a_rank_needing_most_of_it_and_the_load_is_balanced():
-    a, b, c, d = (MetadataIndex(k, torch.Size([0])) for k in "abcd")
+    a, b, c, d = range(4)  # stored items, by position (storage_order)
     files = {a: "f1", b: "f2", c: "f3", d: "f4"}
     # ranks 0 and 1 are replicas (need a, b, c); rank 2 needs c and d only
     needs = [{a: (100, True), b: (60, True), c: (50, True)}, {a: (100, True), b: (60, True), c: (50, True)}]
@@ -105,7 +104,7 @@ def test_the_exchange_buffer_is_bounded_and_a_load_past_the_bound_is_still_exact
 
 
 def test_sharing_gives_no_rank_more_buffers_than_the_bound():
-    a, b, c = (MetadataIndex(k, torch.Size([0])) for k in "abc")
+    a, b, c = range(3)
     files = {a: "f1", b: "f2", c: "f3"}
     sizes = {a: 100, b: 100, c: 100}
     # (stored bytes, exactly a target of the rank): rank 0 holds a, b and c whole; ranks 1 and 2 need parts
@@ -200,3 +199,24 @@ def test_only_a_backend_that_moves_device_memory_itself_takes_the_device_route()
     assert shared_reads.route_for([("cuda",), ("cuda",)]).trainer is False
     with pytest.raises(ValueError, match="exchange route 'nccl'"):
         shared_reads.route_for([("cpu",)], "nccl")
+
+
+def test_the_plan_message_says_the_same_as_names_would():
+    """Keys as bits over the saved keys plus the unsaved ones, needs as positions: nothing lost on the way."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from shardpoint.formats.base import wanted_keys, wanted_summary
+
+    saved = sorted(f"model.w{i}" for i in range(13))
+    asked = [{"model.w0", "model.w12", "model.new"}, {"model.w5"}, set(), {"optimizer.x", "model.w5"}]
+    union = wanted_keys([wanted_summary(keys, saved) for keys in asked], saved)
+    assert union == set().union(*asked)
+
+    indices = [MetadataIndex(f"t{i}", torch.Size([i % 3])) for i in range(7)]
+    metadata = Metadata({}, storage_data={x: _StorageInfo("f", 0, 10 + n) for n, x in enumerate(indices)})
+    order = shared_reads.storage_order(metadata)
+    needs = [{order.index(indices[2]): (12, True), order.index(indices[6]): (16, False)}, {}]
+    packed = [shared_reads.packed_needs(n) for n in needs]
+    assert [len(p) for p in packed] == [10, 0]
+    assert shared_reads.unpacked_needs(packed, metadata, order) == needs

@@ -9,10 +9,11 @@ names with size and checksum. On a load every rank calls ``load(ctx, flat, meta)
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
@@ -29,6 +30,8 @@ __all__ = [
     "Loaded",
     "read_torch_file",
     "unexpected_keys",
+    "wanted_keys",
+    "wanted_summary",
     "write_file",
     "write_torch_file",
 ]
@@ -140,3 +143,33 @@ def unexpected_keys(saved: set[str], wanted: set[str]) -> list[str]:
     return sorted(
         k for k in saved - wanted if k.split(".", 1)[0] in asked_parts and not k.startswith(naming.RANK_LOCAL_PREFIX)
     )
+
+
+def wanted_summary(keys: Iterable[str], saved: Sequence[str]) -> tuple[bytes, list[str]]:
+    """The keys one rank wants, as it tells the others: one bit per saved key, and the keys not saved.
+
+    Every rank receives every rank's summary. As key names that is the whole model's
+    names from every rank (hundreds of MB at thousands of ranks); as bits over the
+    saved keys (``saved``: sorted, the same on every rank) it is a few hundred bytes each.
+    """
+    at = {key: i for i, key in enumerate(saved)}
+    bits = np.zeros(len(saved), dtype=np.bool_)
+    missing = []
+    for key in keys:
+        i = at.get(key)
+        if i is None:
+            missing.append(key)
+        else:
+            bits[i] = True
+    return np.packbits(bits).tobytes(), sorted(missing)
+
+
+def wanted_keys(summaries: Iterable[tuple[bytes, list[str]]], saved: Sequence[str]) -> set[str]:
+    """Every key some rank wants, from their :func:`wanted_summary`."""
+    union = np.zeros((len(saved) + 7) // 8, dtype=np.uint8)
+    missing: set[str] = set()
+    for bits, absent in summaries:
+        union |= np.frombuffer(bits, dtype=np.uint8)
+        missing.update(absent)
+    wanted = np.flatnonzero(np.unpackbits(union, count=len(saved)))
+    return {saved[i] for i in wanted.tolist()} | missing

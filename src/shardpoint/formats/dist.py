@@ -57,7 +57,15 @@ from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats import shared_reads
-from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
+from shardpoint.formats.base import (
+    FormatContext,
+    Loaded,
+    read_torch_file,
+    unexpected_keys,
+    wanted_keys,
+    wanted_summary,
+    write_torch_file,
+)
 from shardpoint.formats.batched_writes import write_plan
 from shardpoint.formats.dcp_read import StreamingReads
 from shardpoint.formats.dist_replay import fingerprint_of, shard_spec, write_metadata, write_with_plan
@@ -439,20 +447,27 @@ class DistFormat:
             local["planner"] = planner = ShardLoadPlanner(present, ctx.directory)
             planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
             local["items"] = items = planner.create_local_plan().items
+            local["saved"] = saved = sorted(metadata.state_dict_metadata)
+            keys = wanted_summary(targets, saved)  # bits, not names: every rank receives every rank's
             if not (metadata.storage_data and comm.world_size() > 1):
-                return sorted(targets), {}, ()
-            return sorted(targets), shared_reads.needs_of(items, present, metadata), shared_reads.device_types(present)
+                return keys, b"", ()
+            local["order"] = order = shared_reads.storage_order(metadata)
+            needs = shared_reads.needs_of(items, present, metadata, {index: at for at, index in enumerate(order)})
+            return keys, shared_reads.packed_needs(needs), shared_reads.device_types(present)
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         prepared = comm.agree_all(prepare, "preparing the load")
         metadata, plan, present = local["metadata"], local["plan"], local["present"]
-        wanted, saved = set().union(*(keys for keys, _, _ in prepared)), set(metadata.state_dict_metadata)
+        wanted = wanted_keys((keys for keys, _, _ in prepared), local["saved"])
+        saved = set(metadata.state_dict_metadata)
         missing, unexpected = sorted(wanted - saved), unexpected_keys(saved, wanted)
         shared = self.shared_reads and comm.world_size() > 1 and bool(metadata.storage_data)
         exchange = None
         if shared:
+            order = local["order"]
+            needs = shared_reads.unpacked_needs([packed for _, packed, _ in prepared], metadata, order)
             route = shared_reads.route_for([types for _, _, types in prepared], self.exchange_route)
-            exchange = shared_reads.Exchange(local["items"], present, [n for _, n, _ in prepared], metadata, route)
+            exchange = shared_reads.Exchange(local["items"], present, needs, metadata, order, route)
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
 
         def read() -> tuple[list[str], int]:

@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -64,9 +65,12 @@ __all__ = [
     "Route",
     "device_types",
     "needs_of",
+    "packed_needs",
     "plan_reads",
     "plan_sharing",
     "route_for",
+    "storage_order",
+    "unpacked_needs",
 ]
 
 _PEER = "__shardpoint_peer__/"  # target keys of chunks read for other ranks
@@ -75,21 +79,57 @@ _PEER = "__shardpoint_peer__/"  # target keys of chunks read for other ranks
 #: that it does not hold, chunks it receives only in part)
 EXCHANGE_BUFFER_BYTES = 1 << 30
 
-#: what a rank says of one stored item it needs: its stored bytes, and whether it is exactly
-#: one of the rank's targets (received into it, no buffer)
+#: what a rank needs of one stored item: its stored bytes, and whether it is exactly one of
+#: the rank's targets (received into it, no buffer). Keyed by the item's position in
+#: :func:`storage_order`, which every rank computes alike from the same ``.metadata``.
 Need = tuple[int, bool]
 
 
-def needs_of(items: Sequence[ReadItem], targets: Mapping[str, Shard], metadata: Metadata) -> dict[MetadataIndex, Need]:
-    """This rank's part of the planning round: every stored item its ``items`` read from."""
+def storage_order(metadata: Metadata) -> list[MetadataIndex]:
+    """The stored items in one order every rank computes alike: needs travel as positions in it."""
+    return sorted(metadata.storage_data, key=_order)
+
+
+def needs_of(
+    items: Sequence[ReadItem], targets: Mapping[str, Shard], metadata: Metadata, position: Mapping[MetadataIndex, int]
+) -> dict[int, Need]:
+    """This rank's part of the planning round: every stored item its ``items`` read from, by position."""
     storage = metadata.storage_data
     grouped: dict[MetadataIndex, list[ReadItem]] = {}
     for item in items:
         grouped.setdefault(item.storage_index, []).append(item)
     return {
-        index: (storage[index].length, _whole_target(wanted, index, targets, metadata) is not None)
+        position[index]: (storage[index].length, _whole_target(wanted, index, targets, metadata) is not None)
         for index, wanted in grouped.items()
     }
+
+
+def packed_needs(needs: Mapping[int, Need]) -> bytes:
+    """:func:`needs_of` as every rank sends it: 5 bytes per stored item, not a pickled dict of names.
+
+    Every rank receives every rank's needs. Pickled with the items' names and offsets
+    that is about 100 bytes per item, 120 MB at 4096 ranks of 300 items each; as
+    int32 positions and a flag byte it is 6 MB. The sizes are looked up again on
+    arrival (:func:`unpacked_needs`).
+    """
+    positions = np.fromiter(needs, dtype=np.int32, count=len(needs))
+    exact = np.fromiter((flag for _, flag in needs.values()), dtype=np.bool_, count=len(needs))
+    return positions.tobytes() + exact.tobytes()
+
+
+def unpacked_needs(
+    packed: Sequence[bytes], metadata: Metadata, order: Sequence[MetadataIndex]
+) -> list[dict[int, Need]]:
+    """Every rank's needs as they sent them (:func:`packed_needs`), with the stored sizes looked up."""
+    storage = metadata.storage_data
+    lengths = np.fromiter((storage[index].length for index in order), dtype=np.int64, count=len(order))
+    out = []
+    for one in packed:
+        count = len(one) // 5
+        positions = np.frombuffer(one, dtype=np.int32, count=count)
+        exact = np.frombuffer(one, dtype=np.bool_, offset=4 * count)
+        out.append(dict(zip(positions.tolist(), zip(lengths[positions].tolist(), exact.tolist()))))
+    return out
 
 
 def device_types(targets: Mapping[str, Shard]) -> tuple[str, ...]:
@@ -127,7 +167,7 @@ def route_for(types: Sequence[Sequence[str]], force: str = "auto") -> Route:
     return Route(dist.group.WORLD, device, trainer=True)
 
 
-def plan_reads(needs: Sequence[Mapping[MetadataIndex, Need]], files: Mapping[MetadataIndex, str]) -> dict[str, int]:
+def plan_reads(needs: Sequence[Mapping[int, Need]], files: Mapping[int, str]) -> dict[str, int]:
     """The reader of each file. ``needs[r]``: what rank r reads (:func:`needs_of`)."""
     wanted: dict[str, dict[int, int]] = {}  # file -> rank -> bytes of it the rank needs
     for rank, items in enumerate(needs):
@@ -146,12 +186,12 @@ def plan_reads(needs: Sequence[Mapping[MetadataIndex, Need]], files: Mapping[Met
 
 
 def plan_sharing(
-    needs: Sequence[Mapping[MetadataIndex, Need]],
-    files: Mapping[MetadataIndex, str],
-    chunk_bytes: Mapping[MetadataIndex, int],
+    needs: Sequence[Mapping[int, Need]],
+    files: Mapping[int, str],
+    chunk_bytes: Mapping[int, int],
     budget: int,
     readers: Mapping[str, int] | None = None,
-) -> dict[MetadataIndex, list[int]]:
+) -> dict[int, list[int]]:
     """For each stored item some rank reads for others: the ranks that receive it from its file's reader.
 
     Identical on every rank. A chunk costs its reader a buffer unless it is exactly one of
@@ -160,13 +200,13 @@ def plan_sharing(
     ``readers``: :func:`plan_reads` of the same needs, if the caller has it already.
     """
     readers = plan_reads(needs, files) if readers is None else readers
-    needers: dict[MetadataIndex, list[int]] = {}
+    needers: dict[int, list[int]] = {}
     for rank, rank_needs in enumerate(needs):
         for index in rank_needs:
             needers.setdefault(index, []).append(rank)
     held = [0] * len(needs)
-    receivers: dict[MetadataIndex, list[int]] = {}
-    for index in sorted(needers, key=_order):
+    receivers: dict[int, list[int]] = {}
+    for index in sorted(needers):
         reader = readers[files[index]]
         others = [r for r in needers[index] if r != reader]
         if not others:
@@ -185,58 +225,64 @@ def plan_sharing(
 
 
 class Exchange:
-    """One rank's part of a shared load: what it reads, what it sends, what it receives."""
+    """One rank's part of a shared load: what it reads, what it sends, what it receives.
+
+    Stored items are named by their position in ``order`` (:func:`storage_order`).
+    """
 
     def __init__(
         self,
         items: Sequence[ReadItem],
         targets: Mapping[str, Shard],
-        needs: Sequence[Mapping[MetadataIndex, Need]],
+        needs: Sequence[Mapping[int, Need]],
         metadata: Metadata,
+        order: Sequence[MetadataIndex],
         route: Route,
         budget: int | None = None,
     ):
         storage = metadata.storage_data
         self.rank = comm.rank()
-        self.targets, self.metadata, self.route = targets, metadata, route
-        self.files = {index: storage[index].relative_path for rank_needs in needs for index in rank_needs}
+        self.targets, self.metadata, self.order, self.route = targets, metadata, order, route
+        self.files = {at: storage[order[at]].relative_path for rank_needs in needs for at in rank_needs}
         self.readers = plan_reads(needs, self.files)
-        sizes = {index: self._nbytes(index) for index in self.files}
+        sizes = {at: self._nbytes(at) for at in self.files}
         bound = EXCHANGE_BUFFER_BYTES if budget is None else budget
         #: stored item -> the ranks that receive it from its reader (the reader's own reads are not listed)
         self.receivers = plan_sharing(needs, self.files, sizes, bound, self.readers)
         #: stored items this rank reads itself although another rank reads their file
         self.direct = {
-            index
-            for index in needs[self.rank]
-            if self.reader_of(index) != self.rank and self.rank not in self.receivers.get(index, [])
+            at
+            for at in needs[self.rank]
+            if self.reader_of(at) != self.rank and self.rank not in self.receivers.get(at, [])
         }
-        self.mine: dict[MetadataIndex, list[ReadItem]] = {}
+        position = {index: at for at, index in enumerate(order)}
+        self.mine: dict[int, list[ReadItem]] = {}
         for item in items:
-            self.mine.setdefault(item.storage_index, []).append(item)
-        self.chunks: dict[MetadataIndex, torch.Tensor] = {}  # what this rank sends, by stored item
-        self.incoming: dict[MetadataIndex, torch.Tensor] = {}  # where what it receives lands (stage)
-        self.landing: list[MetadataIndex] = []  # received into a buffer, copied into its targets after
+            self.mine.setdefault(position[item.storage_index], []).append(item)
+        self.chunks: dict[int, torch.Tensor] = {}  # what this rank sends, by stored item
+        self.incoming: dict[int, torch.Tensor] = {}  # where what it receives lands (stage)
+        self.landing: list[int] = []  # received into a buffer, copied into its targets after
 
-    def reader_of(self, index: MetadataIndex) -> int:
-        return self.readers[self.files[index]]
+    def reader_of(self, at: int) -> int:
+        return self.readers[self.files[at]]
 
     def read_items(self) -> tuple[list[ReadItem], dict[str, Shard]]:
         """This rank's reads (its items in its files, whole chunks for others) and the extra targets they fill."""
         plan, extra = [], {}
-        for index, wanted in self.mine.items():
-            if self.reader_of(index) == self.rank or index in self.direct:
+        for at, wanted in self.mine.items():
+            if self.reader_of(at) == self.rank or at in self.direct:
                 plan += wanted
-        for index, _ in self._transfers():
-            if self.reader_of(index) != self.rank:
+        for at, _ in self._transfers():
+            if self.reader_of(at) != self.rank:
                 continue
-            whole = self._whole_target(index)
+            whole = self._whole_target(at)
             if whole is not None:
-                self.chunks[index] = whole
+                self.chunks[at] = whole
                 continue
-            sizes, dtype = self._chunk(index)
+            index = self.order[at]
+            sizes, dtype = self._chunk(at)
             key = f"{_PEER}{len(extra)}"
-            self.chunks[index] = buffer = torch.empty(sizes, dtype=dtype)
+            self.chunks[at] = buffer = torch.empty(sizes, dtype=dtype)
             global_shape = tuple(self.metadata.state_dict_metadata[index.fqn].size)
             extra[key] = Shard(buffer, global_shape, tuple(index.offset))
             zeros = torch.Size([0] * len(sizes))
@@ -254,16 +300,16 @@ class Exchange:
         every rank, where under NCCL a rank waiting on a transfer that never comes hangs.
         """
         device = self.route.device
-        for index, ranks in self._transfers():
-            if self.reader_of(index) == self.rank:
-                self.chunks[index] = self.chunks[index].detach().to(device).contiguous()
+        for at, ranks in self._transfers():
+            if self.reader_of(at) == self.rank:
+                self.chunks[at] = self.chunks[at].detach().to(device).contiguous()
             elif self.rank in ranks:
-                whole = self._whole_target(index)
+                whole = self._whole_target(at)
                 if whole is None or whole.device != device:
-                    sizes, dtype = self._chunk(index)
+                    sizes, dtype = self._chunk(at)
                     whole = torch.empty(sizes, dtype=dtype, device=device)
-                    self.landing.append(index)
-                self.incoming[index] = whole
+                    self.landing.append(at)
+                self.incoming[at] = whole
 
     def run(self, resolve: Any) -> None:
         """Send what this rank read for others, receive what others read for it; ``resolve``: item -> target view."""
@@ -271,33 +317,32 @@ class Exchange:
         if self.route.trainer:  # NCCL: a group's first call must include every rank, and a batch need not
             dist.all_reduce(torch.zeros(1, device=self.route.device), group=group)
         ops = []
-        for index, ranks in self._transfers():
-            if index in self.chunks:
-                ops += [dist.P2POp(dist.isend, self.chunks[index], peer, group) for peer in ranks]
-            elif index in self.incoming:
-                ops.append(dist.P2POp(dist.irecv, self.incoming[index], self.reader_of(index), group))
+        for at, ranks in self._transfers():
+            if at in self.chunks:
+                ops += [dist.P2POp(dist.isend, self.chunks[at], peer, group) for peer in ranks]
+            elif at in self.incoming:
+                ops.append(dist.P2POp(dist.irecv, self.incoming[at], self.reader_of(at), group))
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         with torch.no_grad():
-            for index in self.landing:
-                chunk = self.incoming[index]
-                for item in self.mine[index]:
+            for at in self.landing:
+                chunk = self.incoming[at]
+                for item in self.mine[at]:
                     resolve(item).copy_(narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths))
 
-    def _transfers(self) -> list[tuple[MetadataIndex, list[int]]]:
+    def _transfers(self) -> list[tuple[int, list[int]]]:
         """The stored items that travel and their receivers, in the order every rank uses."""
-        ordered = sorted(self.receivers.items(), key=lambda kv: _order(kv[0]))
-        return [(index, ranks) for index, ranks in ordered if ranks]
+        return [(at, ranks) for at, ranks in sorted(self.receivers.items()) if ranks]
 
-    def _whole_target(self, index: MetadataIndex) -> torch.Tensor | None:
-        return _whole_target(self.mine.get(index, []), index, self.targets, self.metadata)
+    def _whole_target(self, at: int) -> torch.Tensor | None:
+        return _whole_target(self.mine.get(at, []), self.order[at], self.targets, self.metadata)
 
-    def _chunk(self, index: MetadataIndex) -> tuple[torch.Size, torch.dtype]:
-        return _chunk(self.metadata, index)
+    def _chunk(self, at: int) -> tuple[torch.Size, torch.dtype]:
+        return _chunk(self.metadata, self.order[at])
 
-    def _nbytes(self, index: MetadataIndex) -> int:
-        sizes, dtype = self._chunk(index)
+    def _nbytes(self, at: int) -> int:
+        sizes, dtype = self._chunk(at)
         return math.prod(sizes) * dtype.itemsize
 
 
