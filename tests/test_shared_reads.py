@@ -8,7 +8,7 @@ import torch
 import shardpoint as sp
 from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.formats import shared_reads
-from shardpoint.formats.shared_reads import plan_reads
+from shardpoint.formats.read_plan import Needs, pack, plan_reads, plan_sharing, storage_order
 from shardpoint.storage.base import open_storage
 from tests import toy
 from tests.distributed import launch
@@ -58,11 +58,11 @@ def test_every_stored_byte_is_read_once_from_s3(s3_server, bucket):
 
 def test_each_file_goes_to_a_rank_needing_most_of_it_and_the_load_is_balanced():
     a, b, c, d = range(4)  # stored items, by position (storage_order)
-    files = {a: "f1", b: "f2", c: "f3", d: "f4"}
+    files = ["f1", "f2", "f3", "f4"]
     # ranks 0 and 1 are replicas (need a, b, c); rank 2 needs c and d only
     needs = [{a: (100, True), b: (60, True), c: (50, True)}, {a: (100, True), b: (60, True), c: (50, True)}]
     needs.append({c: (50, True), d: (30, True)})
-    readers = plan_reads(needs, files)
+    readers = plan_reads(Needs.from_dicts(needs), files)
     assert readers == {"f1": 0, "f2": 1, "f3": 2, "f4": 2}  # f3: a three-way tie goes to the least loaded
 
 
@@ -105,18 +105,19 @@ def test_the_exchange_buffer_is_bounded_and_a_load_past_the_bound_is_still_exact
 
 def test_sharing_gives_no_rank_more_buffers_than_the_bound():
     a, b, c = range(3)
-    files = {a: "f1", b: "f2", c: "f3"}
+    files = ["f1", "f2", "f3"]
     sizes = {a: 100, b: 100, c: 100}
     # (stored bytes, exactly a target of the rank): rank 0 holds a, b and c whole; ranks 1 and 2 need parts
     needs = [{a: (100, True), b: (100, True), c: (100, True)}, {a: (100, False), b: (100, False)}, {b: (100, False)}]
     needs.append({c: (100, True)})
+    needs = Needs.from_dicts(needs)
     assert plan_reads(needs, files) == {"f1": 0, "f2": 1, "f3": 3}
     # room enough: rank 1 reads b for ranks 0 and 2 (a buffer for it: b is not its target)
-    assert shared_reads.plan_sharing(needs, files, sizes, 1000) == {a: [1], b: [0, 2], c: [0]}
+    assert plan_sharing(needs, files, sizes, 1000) == {a: [1], b: [0, 2], c: [0]}
     # room for one buffer: rank 1 receives a into one, so it cannot also hold b; every needer reads b itself
-    assert shared_reads.plan_sharing(needs, files, sizes, 100) == {a: [1], b: [], c: [0]}
+    assert plan_sharing(needs, files, sizes, 100) == {a: [1], b: [], c: [0]}
     # no room: only exact targets still travel (they cost no buffer)
-    assert shared_reads.plan_sharing(needs, files, sizes, 0) == {a: [], b: [], c: [0]}
+    assert plan_sharing(needs, files, sizes, 0) == {a: [], b: [], c: [0]}
 
 
 def _load_over_route(rank: int, world: int, root: str, route: str, tp: int):
@@ -215,8 +216,68 @@ def test_the_plan_message_says_the_same_as_names_would():
 
     indices = [MetadataIndex(f"t{i}", torch.Size([i % 3])) for i in range(7)]
     metadata = Metadata({}, storage_data={x: _StorageInfo("f", 0, 10 + n) for n, x in enumerate(indices)})
-    order = shared_reads.storage_order(metadata)
-    needs = [{order.index(indices[2]): (12, True), order.index(indices[6]): (16, False)}, {}]
-    packed = [shared_reads.packed_needs(n) for n in needs]
-    assert [len(p) for p in packed] == [10, 0]
-    assert shared_reads.unpacked_needs(packed, metadata, order) == needs
+    order = storage_order(metadata)
+    needs = [{order.index(indices[2]): (12, True), order.index(indices[6]): (16, False)}, {}, {0: (10, True)}]
+    packed = [pack(n) for n in needs]
+    assert [len(p) for p in packed] == [10, 0, 5]
+    received = Needs.from_packed(packed, metadata, order)
+    assert [received.of(rank) for rank in range(3)] == needs
+    assert received.items().tolist() == sorted({0, *needs[0]})
+
+
+def _reference_reads(needs: list[dict], files: list[str]) -> dict[str, int]:
+    """The planner as first written, a dict per rank: what the columnar one must answer."""
+    wanted: dict[str, dict[int, int]] = {}
+    for rank, items in enumerate(needs):
+        for at, (nbytes, _) in items.items():
+            per_rank = wanted.setdefault(files[at], {})
+            per_rank[rank] = per_rank.get(rank, 0) + nbytes
+    load, readers = [0] * len(needs), {}
+    for name in sorted(wanted, key=lambda n: (-max(wanted[n].values()), n)):
+        most = max(wanted[name].values())
+        readers[name] = min((r for r, b in wanted[name].items() if b == most), key=lambda r: (load[r], r))
+        load[readers[name]] += most
+    return readers
+
+
+def _reference_sharing(needs: list[dict], files: list[str], sizes: dict, budget: int, readers: dict) -> dict:
+    needers: dict[int, list[int]] = {}
+    for rank, rank_needs in enumerate(needs):
+        for at in rank_needs:
+            needers.setdefault(at, []).append(rank)
+    held, receivers = [0] * len(needs), {}
+    for at in sorted(needers):
+        reader = readers[files[at]]
+        others = [r for r in needers[at] if r != reader]
+        if not others:
+            continue
+        cost = {r: 0 if needs[r].get(at, (0, False))[1] else sizes[at] for r in (reader, *others)}
+        taken = []
+        if held[reader] + cost[reader] <= budget:
+            taken = [r for r in others if held[r] + cost[r] <= budget]
+            for r in taken:
+                held[r] += cost[r]
+            if taken:
+                held[reader] += cost[reader]
+        receivers[at] = taken
+    return receivers
+
+
+def test_the_columnar_planner_answers_as_the_dict_planner_on_random_jobs():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(400):
+        world, count = rng.randint(1, 9), rng.randint(1, 15)
+        files = [f"f{rng.randrange(rng.randint(1, 5))}" for _ in range(count)]
+        sizes = {at: rng.choice([10, 20, 30, 50]) for at in range(count)}
+        needs = [
+            {at: (sizes[at], rng.random() < 0.6) for at in range(count) if rng.random() < 0.5} for _ in range(world)
+        ]
+        columns = Needs.from_dicts(needs)
+        readers = plan_reads(columns, files)
+        assert readers == _reference_reads(needs, files)
+        budget = rng.choice([0, 10, 30, 60, 1000])
+        assert plan_sharing(columns, files, sizes, budget, readers) == _reference_sharing(
+            needs, files, sizes, budget, readers
+        )

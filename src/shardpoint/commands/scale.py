@@ -14,7 +14,10 @@ Three measurements, each against plain DCP in the same run:
   save of N ranks × 300 ``Shard(0)`` parameters: DCP's central planning (first save)
   against what a replayed save does on rank 0 (:mod:`shardpoint.formats.dist_replay`:
   compare N fingerprints; the cached ``.metadata`` bytes are written as they are), with
-  the bytes of the plans rank 0 gathers and of ``.metadata``.
+  the bytes of the plans rank 0 gathers and of ``.metadata``. And every rank's part of
+  a load's plan round at tp=8 and dp=N/8 (:mod:`shardpoint.formats.shared_reads`): the
+  message each rank sends and receives, against the same said with key names, and the
+  planning of the shared reads that every rank does for all of them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "coordination",
     "count_collectives",
     "report",
+    "simulate_load_planning",
     "simulate_planning",
 ]
 
@@ -126,6 +130,49 @@ def simulate_planning(counts: list[int], params: int = 300) -> list[dict[str, fl
     return rows
 
 
+def simulate_load_planning(counts: list[int], params: int = 300, tp: int = 8) -> list[dict[str, float]]:
+    """One rank's part of a load's plan round at N simulated ranks (tp=8, dp=N/8, 300 chunks per rank)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from shardpoint.formats import read_plan
+    from shardpoint.formats.base import wanted_summary
+
+    chunk = 64 * 1024 * 4
+    names = [f"model.layers.{p}.self_attention.linear_qkv.weight" for p in range(params)]
+    storage = {
+        MetadataIndex(name, torch.Size([t * 64, 0])): _StorageInfo(f"__{t}_0.distcp", p * chunk, chunk)
+        for p, name in enumerate(names)
+        for t in range(tp)
+    }
+    metadata = Metadata({}, storage_data=storage)
+    order = read_plan.storage_order(metadata)
+    position = {index: at for at, index in enumerate(order)}
+    by_tp = [{position[MetadataIndex(n, torch.Size([t * 64, 0]))]: (chunk, True) for n in names} for t in range(tp)]
+    keys = wanted_summary(names, sorted(names))
+    rows = []
+    for world in counts:
+        sent = [pickle.dumps((keys, read_plan.pack(by_tp[r % tp]), ("cuda",))) for r in range(world)]
+        start = time.perf_counter()  # what every rank does with what it received, as the Exchange does
+        order = read_plan.storage_order(metadata)
+        needs = read_plan.Needs.from_packed([pickle.loads(m)[1] for m in sent], metadata, order)
+        files = [storage[index].relative_path for index in order]
+        readers = read_plan.plan_reads(needs, files)
+        read_plan.plan_sharing(needs, files, dict.fromkeys(needs.items().tolist(), chunk), 1 << 30, readers)
+        planning = time.perf_counter() - start
+        as_names = pickle.dumps((sorted(names), {order[at]: need for at, need in by_tp[0].items()}, ("cuda",)))
+        rows.append(
+            {
+                "ranks": world,
+                "plan message B (as names)": f"{len(sent[0])} ({len(as_names)})",
+                "received per rank MB (as names)": f"{world * len(sent[0]) / 1e6:.1f} "
+                f"({world * len(as_names) / 1e6:.1f})",
+                "shared-read planning s (every rank)": planning,
+            }
+        )
+    return rows
+
+
 def report(scale: list[int], simulate: list[int], repeat: int, as_json: bool, quiet: bool) -> int:
     """Run what was asked and print it: tables, or one JSON object."""
     from rich.console import Console
@@ -143,6 +190,7 @@ def report(scale: list[int], simulate: list[int], repeat: int, as_json: bool, qu
     if simulate:
         console.print(f"simulated planning at {simulate} ranks...")
         found["planning"] = simulate_planning(simulate)
+        found["load planning"] = simulate_load_planning(simulate)
     if as_json:
         print(json.dumps(found, indent=2))
         return 0
@@ -173,12 +221,20 @@ def report(scale: list[int], simulate: list[int], repeat: int, as_json: bool, qu
         reads = found["bytes read per stored byte"]
         out.print("bytes read per stored byte at load: " + ", ".join(f"{k} {v:.2f}" for k, v in reads.items()))
     if "planning" in found:
-        columns = list(found["planning"][0])
-        table = new_table(*columns, title="rank-0 planning of one save, simulated (300 tensors per rank)")
-        for row in found["planning"]:
-            table.add_row(*(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
-        out.print(table)
+        _print_rows(out, found["planning"], "rank-0 planning of one save, simulated (300 tensors per rank)")
+        title = "every rank's part of a load's plan round, simulated (tp=8, 300 chunks per rank)"
+        _print_rows(out, found["load planning"], title)
     return 0
+
+
+def _print_rows(out: Any, rows: list[dict[str, Any]], title: str) -> None:
+    from shardpoint.commands._output import new_table
+
+    columns = list(rows[0])
+    table = new_table(*columns, title=title)
+    for row in rows:
+        table.add_row(*(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
+    out.print(table)
 
 
 # ------------------------------------------------------------------ workers

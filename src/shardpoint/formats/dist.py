@@ -56,7 +56,7 @@ from torch.futures import Future
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
-from shardpoint.formats import shared_reads
+from shardpoint.formats import read_plan, shared_reads
 from shardpoint.formats.base import (
     FormatContext,
     Loaded,
@@ -451,9 +451,9 @@ class DistFormat:
             keys = wanted_summary(targets, saved)  # bits, not names: every rank receives every rank's
             if not (metadata.storage_data and comm.world_size() > 1):
                 return keys, b"", ()
-            local["order"] = order = shared_reads.storage_order(metadata)
+            local["order"] = order = read_plan.storage_order(metadata)
             needs = shared_reads.needs_of(items, present, metadata, {index: at for at, index in enumerate(order)})
-            return keys, shared_reads.packed_needs(needs), shared_reads.device_types(present)
+            return keys, read_plan.pack(needs), shared_reads.device_types(present)
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         prepared = comm.agree_all(prepare, "preparing the load")
@@ -465,7 +465,7 @@ class DistFormat:
         exchange = None
         if shared:
             order = local["order"]
-            needs = shared_reads.unpacked_needs([packed for _, packed, _ in prepared], metadata, order)
+            needs = read_plan.Needs.from_packed([packed for _, packed, _ in prepared], metadata, order)
             route = shared_reads.route_for([types for _, _, types in prepared], self.exchange_route)
             exchange = shared_reads.Exchange(local["items"], present, needs, metadata, order, route)
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)

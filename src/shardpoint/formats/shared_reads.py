@@ -8,7 +8,7 @@ norms and biases that all of them hold.
 In the load's planning round every rank also sends the stored items (DCP's chunks) it
 needs. Then, identically on every rank and without another message:
 
-1. :func:`plan_reads` gives each file one reader: among the ranks that need the most of
+1. :func:`~shardpoint.formats.read_plan.plan_reads` gives each file one reader: among the ranks that need the most of
    its bytes, the one with the fewest bytes so far (biggest files first). Data-parallel
    replicas therefore deal the files out evenly, and a file goes to a rank that needs
    most of it. A reader reads its files whole, hashing each as it streams: every byte
@@ -33,7 +33,7 @@ copies of GPU tensors.
 
 Memory: beyond its own state a rank holds the chunks it reads for others that it does
 not hold itself, and the chunks it receives only in part (resharding); for replicas
-neither exists. Both are bounded: :func:`plan_sharing` gives no rank more than
+neither exists. Both are bounded: :func:`~shardpoint.formats.read_plan.plan_sharing` gives no rank more than
 :data:`EXCHANGE_BUFFER_BYTES` of them, and a chunk that would exceed a rank's bound is
 read by each rank that needs it, as without sharing (only resharded loads far larger
 than the bound read some bytes more than once). On the device route the same bound holds
@@ -48,46 +48,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from shardpoint.formats.read_plan import Need, Needs, plan_reads, plan_sharing
 from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
 
-__all__ = [
-    "EXCHANGE_BUFFER_BYTES",
-    "Exchange",
-    "Need",
-    "Route",
-    "device_types",
-    "needs_of",
-    "packed_needs",
-    "plan_reads",
-    "plan_sharing",
-    "route_for",
-    "storage_order",
-    "unpacked_needs",
-]
+__all__ = ["EXCHANGE_BUFFER_BYTES", "Exchange", "Route", "device_types", "needs_of", "route_for"]
 
 _PEER = "__shardpoint_peer__/"  # target keys of chunks read for other ranks
 
 #: bytes one rank may hold for a shared load beyond its own state (chunks read for others
 #: that it does not hold, chunks it receives only in part)
 EXCHANGE_BUFFER_BYTES = 1 << 30
-
-#: what a rank needs of one stored item: its stored bytes, and whether it is exactly one of
-#: the rank's targets (received into it, no buffer). Keyed by the item's position in
-#: :func:`storage_order`, which every rank computes alike from the same ``.metadata``.
-Need = tuple[int, bool]
-
-
-def storage_order(metadata: Metadata) -> list[MetadataIndex]:
-    """The stored items in one order every rank computes alike: needs travel as positions in it."""
-    return sorted(metadata.storage_data, key=_order)
 
 
 def needs_of(
@@ -102,34 +79,6 @@ def needs_of(
         position[index]: (storage[index].length, _whole_target(wanted, index, targets, metadata) is not None)
         for index, wanted in grouped.items()
     }
-
-
-def packed_needs(needs: Mapping[int, Need]) -> bytes:
-    """:func:`needs_of` as every rank sends it: 5 bytes per stored item, not a pickled dict of names.
-
-    Every rank receives every rank's needs. Pickled with the items' names and offsets
-    that is about 100 bytes per item, 120 MB at 4096 ranks of 300 items each; as
-    int32 positions and a flag byte it is 6 MB. The sizes are looked up again on
-    arrival (:func:`unpacked_needs`).
-    """
-    positions = np.fromiter(needs, dtype=np.int32, count=len(needs))
-    exact = np.fromiter((flag for _, flag in needs.values()), dtype=np.bool_, count=len(needs))
-    return positions.tobytes() + exact.tobytes()
-
-
-def unpacked_needs(
-    packed: Sequence[bytes], metadata: Metadata, order: Sequence[MetadataIndex]
-) -> list[dict[int, Need]]:
-    """Every rank's needs as they sent them (:func:`packed_needs`), with the stored sizes looked up."""
-    storage = metadata.storage_data
-    lengths = np.fromiter((storage[index].length for index in order), dtype=np.int64, count=len(order))
-    out = []
-    for one in packed:
-        count = len(one) // 5
-        positions = np.frombuffer(one, dtype=np.int32, count=count)
-        exact = np.frombuffer(one, dtype=np.bool_, offset=4 * count)
-        out.append(dict(zip(positions.tolist(), zip(lengths[positions].tolist(), exact.tolist()))))
-    return out
 
 
 def device_types(targets: Mapping[str, Shard]) -> tuple[str, ...]:
@@ -167,74 +116,17 @@ def route_for(types: Sequence[Sequence[str]], force: str = "auto") -> Route:
     return Route(dist.group.WORLD, device, trainer=True)
 
 
-def plan_reads(needs: Sequence[Mapping[int, Need]], files: Mapping[int, str]) -> dict[str, int]:
-    """The reader of each file. ``needs[r]``: what rank r reads (:func:`needs_of`)."""
-    wanted: dict[str, dict[int, int]] = {}  # file -> rank -> bytes of it the rank needs
-    for rank, items in enumerate(needs):
-        for index, (nbytes, _) in items.items():
-            per_rank = wanted.setdefault(files[index], {})
-            per_rank[rank] = per_rank.get(rank, 0) + nbytes
-    size = {name: max(per_rank.values()) for name, per_rank in wanted.items()}
-    load = [0] * len(needs)
-    readers = {}
-    for name in sorted(wanted, key=lambda n: (-size[n], n)):
-        most = max(wanted[name].values())
-        reader = min((r for r, b in wanted[name].items() if b == most), key=lambda r: (load[r], r))
-        readers[name] = reader
-        load[reader] += size[name]
-    return readers
-
-
-def plan_sharing(
-    needs: Sequence[Mapping[int, Need]],
-    files: Mapping[int, str],
-    chunk_bytes: Mapping[int, int],
-    budget: int,
-    readers: Mapping[str, int] | None = None,
-) -> dict[int, list[int]]:
-    """For each stored item some rank reads for others: the ranks that receive it from its file's reader.
-
-    Identical on every rank. A chunk costs its reader a buffer unless it is exactly one of
-    the reader's targets, and a receiver likewise; no rank's buffers exceed ``budget``.
-    A needer left out (its bound reached, or the reader's) reads its items itself.
-    ``readers``: :func:`plan_reads` of the same needs, if the caller has it already.
-    """
-    readers = plan_reads(needs, files) if readers is None else readers
-    needers: dict[int, list[int]] = {}
-    for rank, rank_needs in enumerate(needs):
-        for index in rank_needs:
-            needers.setdefault(index, []).append(rank)
-    held = [0] * len(needs)
-    receivers: dict[int, list[int]] = {}
-    for index in sorted(needers):
-        reader = readers[files[index]]
-        others = [r for r in needers[index] if r != reader]
-        if not others:
-            continue
-        size = chunk_bytes[index]
-        cost = {r: 0 if needs[r].get(index, (0, False))[1] else size for r in (reader, *others)}
-        taken: list[int] = []
-        if held[reader] + cost[reader] <= budget:
-            taken = [r for r in others if held[r] + cost[r] <= budget]
-            for r in taken:
-                held[r] += cost[r]
-            if taken:
-                held[reader] += cost[reader]
-        receivers[index] = taken
-    return receivers
-
-
 class Exchange:
     """One rank's part of a shared load: what it reads, what it sends, what it receives.
 
-    Stored items are named by their position in ``order`` (:func:`storage_order`).
+    Stored items are named by their position in ``order`` (:func:`~shardpoint.formats.read_plan.storage_order`).
     """
 
     def __init__(
         self,
         items: Sequence[ReadItem],
         targets: Mapping[str, Shard],
-        needs: Sequence[Mapping[int, Need]],
+        needs: Needs,
         metadata: Metadata,
         order: Sequence[MetadataIndex],
         route: Route,
@@ -243,16 +135,16 @@ class Exchange:
         storage = metadata.storage_data
         self.rank = comm.rank()
         self.targets, self.metadata, self.order, self.route = targets, metadata, order, route
-        self.files = {at: storage[order[at]].relative_path for rank_needs in needs for at in rank_needs}
+        self.files = [storage[index].relative_path for index in order]  # by position
         self.readers = plan_reads(needs, self.files)
-        sizes = {at: self._nbytes(at) for at in self.files}
+        sizes = {at: self._nbytes(at) for at in needs.items().tolist()}
         bound = EXCHANGE_BUFFER_BYTES if budget is None else budget
         #: stored item -> the ranks that receive it from its reader (the reader's own reads are not listed)
         self.receivers = plan_sharing(needs, self.files, sizes, bound, self.readers)
         #: stored items this rank reads itself although another rank reads their file
         self.direct = {
             at
-            for at in needs[self.rank]
+            for at in needs.of(self.rank)
             if self.reader_of(at) != self.rank and self.rank not in self.receivers.get(at, [])
         }
         position = {index: at for at, index in enumerate(order)}
@@ -372,7 +264,3 @@ def _chunk(metadata: Metadata, index: MetadataIndex) -> tuple[torch.Size, torch.
         if chunk.offsets == index.offset:
             return chunk.sizes, md.properties.dtype
     raise KeyError(index)
-
-
-def _order(index: MetadataIndex) -> tuple:
-    return index.fqn, tuple(index.offset or ())
