@@ -12,6 +12,8 @@ abort after NCCL's 10-minute watchdog while rank 0 alone verifies or deletes; th
 control group lives on the CPU and waits :data:`CONTROL_TIMEOUT`. It is created at
 the first collective (the Checkpointer makes one at construction, so every rank
 creates it at the same point) and again after the default group is re-created.
+Only bulk tensor data may use the trainer's group, where it moves GPU memory itself
+(:func:`device_group`: a shared load's chunks under NCCL).
 """
 
 from __future__ import annotations
