@@ -313,6 +313,7 @@ def _worker(rank: int, world: int, port: int, config: dict[str, Any], root: str,
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(gathered, f)
+        dist.barrier()  # no rank tears gloo down while another still talks to it (an abort at exit, seen once)
     finally:
         dist.destroy_process_group()
 
