@@ -146,15 +146,14 @@ def simulate_load_planning(counts: list[int], params: int = 300, tp: int = 8) ->
         for t in range(tp)
     }
     metadata = Metadata({}, storage_data=storage)
-    order = read_plan.storage_order(metadata)
-    position = {index: at for at, index in enumerate(order)}
+    position = read_plan.storage_positions(metadata)
     by_tp = [{position[MetadataIndex(n, torch.Size([t * 64, 0]))]: (chunk, True) for n in names} for t in range(tp)]
     keys = wanted_summary(names, sorted(names))
     rows = []
     for world in counts:
         sent = [pickle.dumps((keys, read_plan.pack(by_tp[r % tp]), ("cuda",))) for r in range(world)]
         start = time.perf_counter()  # what every rank does with what it received, as the Exchange does
-        order = read_plan.storage_order(metadata)
+        order = list(read_plan.storage_positions(metadata))
         needs = read_plan.Needs.from_packed([pickle.loads(m)[1] for m in sent], metadata, order)
         files = [storage[index].relative_path for index in order]
         readers = read_plan.plan_reads(needs, files)

@@ -451,8 +451,8 @@ class DistFormat:
             keys = wanted_summary(targets, saved)  # bits, not names: every rank receives every rank's
             if not (metadata.storage_data and comm.world_size() > 1):
                 return keys, b"", ()
-            local["order"] = order = read_plan.storage_order(metadata)
-            needs = shared_reads.needs_of(items, present, metadata, {index: at for at, index in enumerate(order)})
+            local["position"] = position = read_plan.storage_positions(metadata)
+            needs = shared_reads.needs_of(items, present, metadata, position)
             return keys, read_plan.pack(needs), shared_reads.device_types(present)
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
@@ -464,10 +464,10 @@ class DistFormat:
         shared = self.shared_reads and comm.world_size() > 1 and bool(metadata.storage_data)
         exchange = None
         if shared:
-            order = local["order"]
-            needs = read_plan.Needs.from_packed([packed for _, packed, _ in prepared], metadata, order)
+            position = local["position"]
+            needs = read_plan.Needs.from_packed([packed for _, packed, _ in prepared], metadata, position)
             route = shared_reads.route_for([types for _, _, types in prepared], self.exchange_route)
-            exchange = shared_reads.Exchange(local["items"], present, needs, metadata, order, route)
+            exchange = shared_reads.Exchange(local["items"], present, needs, metadata, position, route)
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
 
         def read() -> tuple[list[str], int]:

@@ -7,29 +7,33 @@ and why it works on columns (numpy) rather than a dict per rank: at 4096 ranks o
 chunks each that is 1.2 million needs, 2.5 s as dicts and 0.3 s as columns (``shardpoint
 bench --simulate-ranks``).
 
-Stored items are named by their position in :func:`storage_order`, which every rank
+Stored items are named by their position (:func:`storage_positions`), which every rank
 computes alike from the same ``.metadata``; a rank's needs travel packed
 (:func:`pack`): 5 bytes per item instead of about 100 for a pickled name and offset.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-__all__ = ["Need", "Needs", "pack", "plan_reads", "plan_sharing", "storage_order"]
+__all__ = ["Need", "Needs", "pack", "plan_reads", "plan_sharing", "storage_positions"]
 
 #: what a rank needs of one stored item: its stored bytes, and whether it is exactly one of
 #: the rank's targets (received into it, no buffer)
 Need = tuple[int, bool]
 
 
-def storage_order(metadata: Metadata) -> list[MetadataIndex]:
-    """The stored items in one order every rank computes alike: needs travel as positions in it."""
-    return sorted(metadata.storage_data, key=lambda index: (index.fqn, tuple(index.offset or ())))
+def storage_positions(metadata: Metadata) -> dict[MetadataIndex, int]:
+    """Each stored item's position in one order every rank computes alike (needs travel as positions).
+
+    A dict in that order: ``list()`` of it gives the items by position.
+    """
+    ordered = sorted(metadata.storage_data, key=lambda index: (index.fqn, tuple(index.offset or ())))
+    return {index: at for at, index in enumerate(ordered)}
 
 
 def pack(needs: Mapping[int, Need]) -> bytes:
@@ -53,8 +57,8 @@ class Needs:
     exact: np.ndarray  # bool: exactly one of the rank's targets
 
     @classmethod
-    def from_packed(cls, packed: Sequence[bytes], metadata: Metadata, order: Sequence[MetadataIndex]) -> Needs:
-        """What the ranks sent (:func:`pack`), ``packed[r]`` from rank r."""
+    def from_packed(cls, packed: Sequence[bytes], metadata: Metadata, order: Collection[MetadataIndex]) -> Needs:
+        """What the ranks sent (:func:`pack`), ``packed[r]`` from rank r; ``order``: the items by position."""
         storage = metadata.storage_data
         lengths = np.fromiter((storage[index].length for index in order), dtype=np.int64, count=len(order))
         counts = [len(one) // 5 for one in packed]

@@ -108,18 +108,19 @@ def route_for(types: Sequence[Sequence[str]], force: str = "auto") -> Route:
         raise ValueError(f"exchange route {force!r}: use 'auto', 'control' or 'trainer'")
     kinds = set().union(*map(set, types))
     kind = next(iter(kinds)) if len(kinds) == 1 else "cpu"
-    if force == "control" or (force == "auto" and comm.device_group(kind) is None):
+    group = comm.device_group(kind)
+    if force == "control" or (force == "auto" and group is None):
         return Route(comm.control_group(), torch.device("cpu"), trainer=False)
     device = torch.device("cpu")
     if kind != "cpu":  # each rank's own current device (cuda:LOCAL_RANK)
         device = torch.device(kind, torch.get_device_module(kind).current_device())
-    return Route(dist.group.WORLD, device, trainer=True)
+    return Route(group or dist.group.WORLD, device, trainer=True)  # forced "trainer": the default group
 
 
 class Exchange:
     """One rank's part of a shared load: what it reads, what it sends, what it receives.
 
-    Stored items are named by their position in ``order`` (:func:`~shardpoint.formats.read_plan.storage_order`).
+    Stored items are named by their ``position`` (:func:`~shardpoint.formats.read_plan.storage_positions`).
     """
 
     def __init__(
@@ -128,14 +129,15 @@ class Exchange:
         targets: Mapping[str, Shard],
         needs: Needs,
         metadata: Metadata,
-        order: Sequence[MetadataIndex],
+        position: Mapping[MetadataIndex, int],
         route: Route,
         budget: int | None = None,
     ):
         storage = metadata.storage_data
         self.rank = comm.rank()
-        self.targets, self.metadata, self.order, self.route = targets, metadata, order, route
-        self.files = [storage[index].relative_path for index in order]  # by position
+        self.targets, self.metadata, self.route = targets, metadata, route
+        self.order = order = list(position)  # the stored items by position
+        self.files = [storage[index].relative_path for index in order]
         self.readers = plan_reads(needs, self.files)
         sizes = {at: self._nbytes(at) for at in needs.items().tolist()}
         bound = EXCHANGE_BUFFER_BYTES if budget is None else budget
@@ -147,7 +149,6 @@ class Exchange:
             for at in needs.of(self.rank)
             if self.reader_of(at) != self.rank and self.rank not in self.receivers.get(at, [])
         }
-        position = {index: at for at, index in enumerate(order)}
         self.mine: dict[int, list[ReadItem]] = {}
         for item in items:
             self.mine.setdefault(position[item.storage_index], []).append(item)
