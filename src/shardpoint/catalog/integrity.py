@@ -104,6 +104,8 @@ class HashingWriter:
         self.raw.flush()
 
     def fileno(self) -> int:
+        """The raw file's descriptor, flushed first: a caller takes it to ``fsync``, which must see every byte."""
+        self.raw.flush()
         return self.raw.fileno()
 
     def writable(self) -> bool:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from shardpoint.formats.batched_writes import sync_stream
 from shardpoint.state.sharding import Shard
 
 __all__ = [
@@ -169,7 +169,7 @@ def _write(writer: Any, data: bytes) -> None:
     with writer.fs.create_stream(tmp, "wb") as stream:
         stream.write(data)
         if getattr(writer, "sync_files", False):
-            os.fsync(stream.fileno())
+            sync_stream(stream)
     final = writer.fs.concat_path(writer.path, _METADATA)
     if writer.fs.exists(final):
         writer.fs.rm_file(final)
