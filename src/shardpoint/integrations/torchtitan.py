@@ -44,6 +44,11 @@ Loading mirrors the stock manager (newest ``step-N`` holding ``.metadata``, or
 loads model-only as configured; ``exclude_from_loading``), through shardpoint's
 readers: sizes are checked first, checksums while reading, the ``.metadata`` and every
 stored object are unpickled with restricted unpicklers, never ``weights_only=False``.
+The data loader's ``dp_rank_N`` bytes, which torchtitan's loader passes to
+``pickle.loads`` itself, are first unpickled by
+:func:`~shardpoint.storage.safe_io.load_plain_pickle` (containers, numbers, strings,
+tensors; anything else raises ``UnsafeCheckpointError`` naming the entry), and the
+loader gets a fresh pickle of that result, never the stored bytes.
 
 Limits: Hugging Face safetensors in or out (``initial_load_in_hf``, ``last_save_in_hf``)
 are refused (use the stock manager for those); there is no ``upload_to``. The stock
@@ -57,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import pickle
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -98,7 +104,7 @@ from shardpoint.parallel.topology import Topology
 from shardpoint.state.sharding import Shard, to_shard
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import Storage, open_storage
-from shardpoint.storage.safe_io import safe_torch_load
+from shardpoint.storage.safe_io import load_plain_pickle, safe_torch_load
 
 # how a torchtitan user picks another checkpoint, in the damage messages
 _ADVICE = "Load an earlier step (checkpoint.load_step)"
@@ -231,6 +237,10 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         obj = safe_torch_load(value, name=f"{self.where}: entry {fqn!r}")
+        if fqn.startswith(f"{DATALOADER}.") and isinstance(obj, bytes):
+            # torchtitan's ParallelAwareDataloader calls pickle.loads on these bytes: hand it a fresh
+            # pickle of what the restricted unpickler built, never the stored bytes
+            obj = pickle.dumps(load_plain_pickle(obj, f"{self.where}: entry {fqn!r}"))
         set_element(self.original_state_dict, self.mappings[fqn], obj)
 
 

@@ -7,7 +7,10 @@ doors:
 * ``torch.load(weights_only=True)`` for ``.pt`` files: tensors, containers and
   numbers only;
 * :class:`RestrictedUnpickler` for DCP's ``.metadata``, which allows exactly the
-  dataclasses DCP stores there and nothing else.
+  dataclasses DCP stores there and nothing else;
+* :func:`load_plain_pickle` for pickles that other libraries store as bytes and
+  unpickle themselves (torchtitan's data loader state): plain containers, numbers,
+  strings and tensors only.
 
 Anything else raises :class:`~shardpoint.errors.UnsafeCheckpointError` before a
 single object is built.
@@ -28,7 +31,7 @@ import torch
 
 from shardpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["RestrictedUnpickler", "load_dcp_metadata", "paused_gc", "safe_torch_load"]
+__all__ = ["RestrictedUnpickler", "load_dcp_metadata", "load_plain_pickle", "paused_gc", "safe_torch_load"]
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _ALLOWED: set[tuple[str, str]] = {
@@ -80,6 +83,61 @@ def load_dcp_metadata(data: bytes, where: str, unpickler: type[RestrictedUnpickl
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CorruptCheckpointError(
             f"{where} cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
+        ) from None
+
+
+def _tensor_storage_from_bytes(data: bytes) -> Any:
+    """``torch.storage._load_from_bytes`` (which uses ``weights_only=False``), weights-only."""
+    return safe_torch_load(io.BytesIO(data), name="a tensor inside a stored pickle")
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Dicts, lists, tuples, sets, numbers, strings, bytes and tensors: what a stateful data loader holds."""
+
+    _REPLACED = {("torch.storage", "_load_from_bytes"): _tensor_storage_from_bytes}
+    _ALLOWED = {
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_tensor"),
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+
+    def __init__(self, file: Any, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._REPLACED:
+            return self._REPLACED[(module, name)]
+        if (module, name) in self._ALLOWED or (module == "torch" and name in _DTYPES):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.where} is a pickle that asks for {module}.{name}; stored state may hold only containers, "
+            "numbers, strings and tensors, so shardpoint refuses to load it (the file may have been crafted to "
+            "run code). Use a checkpoint from a trusted source."
+        )
+
+
+def load_plain_pickle(data: bytes, where: str) -> Any:
+    """Unpickle bytes that hold plain data only (containers, numbers, strings, tensors), else refuse.
+
+    Some libraries store their state as a pickle inside the checkpoint and call
+    ``pickle.loads`` on it themselves; this checks such bytes first, and whoever hands
+    them on should hand on a fresh pickle of the result, never the stored bytes.
+
+    Raises:
+        UnsafeCheckpointError: the pickle names any other class or function.
+        CorruptCheckpointError: the bytes are not a complete pickle.
+    """
+    try:
+        return _PlainDataUnpickler(io.BytesIO(data), where).load()
+    except (UnsafeCheckpointError, CorruptCheckpointError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any other unpickling failure means damaged bytes
+        raise CorruptCheckpointError(
+            f"{where} cannot be unpickled ({type(exc).__name__}: {_first_line(exc)}); the stored bytes are damaged"
         ) from None
 
 
