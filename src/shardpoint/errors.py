@@ -14,6 +14,7 @@ __all__ = [
     "CorruptCheckpointError",
     "MissingKeysError",
     "ShapeMismatchError",
+    "ShardingError",
     "StorageError",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
@@ -101,6 +102,23 @@ class UnsafeCheckpointError(CheckpointError):
 
 class ValidationError(CheckpointError):
     """Forward-pass validation after load found logits differing from the saved ones."""
+
+
+class ShardingError(CheckpointError):
+    """The boxes the ranks declare for a tensor leave a hole in it or cover part of it twice; the save stopped."""
+
+    def __init__(self, problems: dict[str, str]):
+        self.problems = problems
+        lines = [f"  {key!r}: {why}" for key, why in sorted(problems.items())]
+        super().__init__(
+            f"the boxes declared for {len(problems)} tensor(s) do not cover each exactly once:\n"
+            + "\n".join(lines[:8])
+            + ("\n  ..." if len(lines) > 8 else "")
+            + "\nNothing was saved and the tracker still names the previous checkpoint. Each part of a tensor "
+            "must be declared by one rank with replica_id 0 (copies of that box may use other replica ids): "
+            "check the global_offset of every sp.Shard (each tensor-parallel or expert-parallel rank its own "
+            "part) and that every part is declared by some rank."
+        )
 
 
 def _preview(keys: list[str], limit: int = 8) -> str:

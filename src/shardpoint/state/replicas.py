@@ -34,6 +34,7 @@ import xxhash
 
 from shardpoint.errors import ReplicaMismatchError
 from shardpoint.parallel import comm
+from shardpoint.state import coverage
 from shardpoint.state.train_state import FlatState
 
 __all__ = ["ReplicaReport", "check_replicas", "compare", "fingerprint", "hashes_of"]
@@ -84,18 +85,19 @@ def check_replicas(
     boxes = {key: _box(key, shard, scope) for key, shard in flat.tensors.items()}
     local = [(box, _nbytes(flat.tensors[key].tensor), key in flat.shared_if_equal) for key, box in boxes.items()]
     rank_local_bytes = sum(_nbytes(t) for t in flat.rank_local.values())
-    gathered = comm.all_gather((local, rank_local_bytes), group)
+    gathered = comm.all_gather((local, rank_local_bytes, coverage.extents(flat.tensors.values())), group)
+    coverage.check_tiling(p for r, (e, _, x) in enumerate(gathered) for p in coverage.pieces(r, (b[0] for b in e), x))
     holders: dict[_Box, list[int]] = {}
     sizes: dict[_Box, int] = {}
     always: set[_Box] = set()
-    for rank, (entries, _) in enumerate(gathered):
+    for rank, (entries, _, _) in enumerate(gathered):
         for box, nbytes, shared_if_equal in entries:
             holders.setdefault(box, []).append(rank)
             sizes[box] = nbytes
             if shared_if_equal:
                 always.add(box)
     shared = frozenset(box for box, ranks in holders.items() if len(ranks) > 1)
-    report = ReplicaReport(sum(sizes.values()) + sum(extra for _, extra in gathered), shared, shared & always)
+    report = ReplicaReport(sum(sizes.values()) + sum(extra for _, extra, _ in gathered), shared, shared & always)
     # decided from gathered data only, so every rank takes the same branch (the next all-gather)
     checked = report.to_check(check_declared)
     if checked:
