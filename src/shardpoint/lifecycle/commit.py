@@ -34,7 +34,7 @@ from shardpoint.catalog.layout import LAYOUTS, RELEASE, Layout
 from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.lifecycle import faults
-from shardpoint.storage.base import Storage
+from shardpoint.storage.base import Storage, refuse_foreign
 
 __all__ = [
     "CheckpointEntry",
@@ -92,6 +92,7 @@ def begin(storage: Storage, root: str, final_name: str) -> str:
         note = {"save": final_name, "token": secrets.token_hex(4), "started": time.time()}
         storage.write_atomic(storage.join(final, IN_PROGRESS_NAME), json.dumps(note).encode())
         return final
+    refuse_foreign(storage, storage.join(root, final_name))  # before any byte: another tool's data stays
     tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(4)}")
     storage.makedirs(tmp)
     return tmp

@@ -5,6 +5,12 @@ operations, listed on :class:`Storage`. Local disk implements them with POSIX
 guarantees (``os.replace`` is atomic, ``fsync`` makes it durable); an object store
 implements the same names with put/list/delete, where "publish a directory" is a
 no-op because readers trust only the commit marker.
+
+Nothing another tool wrote is ever replaced: a directory may take the place of an
+existing one only when that one holds a shardpoint marker (:data:`OWN_MARKERS`).
+:func:`refuse_foreign` is the check; the commit protocol runs it before a save writes
+anything, and :meth:`LocalStorage.publish_dir` runs it again at the rename, the one
+step that would otherwise delete what it finds.
 """
 
 from __future__ import annotations
@@ -17,9 +23,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from shardpoint.errors import StorageError
+from shardpoint.errors import CheckpointError, StorageError
 
-__all__ = ["LocalStorage", "Storage", "as_storage_error", "open_storage"]
+__all__ = [
+    "OWN_MARKERS",
+    "ForeignDataError",
+    "LocalStorage",
+    "Storage",
+    "as_storage_error",
+    "open_storage",
+    "refuse_foreign",
+]
+
+# The files that say "shardpoint wrote this directory": a committed checkpoint
+# (catalog.metadata.MARKER_NAME), a node's part of one (lifecycle.node_local.NODE_MARKER)
+# and a local-tier copy (tier.marker.LOCAL_MARKER). Spelled out here because storage sits
+# below the layers that define them; tests/test_foreign_dirs.py checks that they agree.
+OWN_MARKERS = ("shardpoint.json", "shardpoint-node.json", "shardpoint-local.json")
+
+
+class ForeignDataError(CheckpointError):
+    """A save would replace a file or directory that shardpoint did not write; nothing was changed."""
 
 
 class Storage(Protocol):
@@ -113,7 +137,12 @@ class LocalStorage:
             os.unlink(path)
 
     def publish_dir(self, tmp: str, final: str) -> None:
-        """Rename a finished directory into place and make the rename durable."""
+        """Rename a finished directory into place and make the rename durable.
+
+        An existing ``final`` is replaced only when shardpoint wrote it (it holds one of
+        :data:`OWN_MARKERS`); anything else raises :class:`ForeignDataError` and stays.
+        """
+        refuse_foreign(self, final)
         with _storage_errors(final):
             fsync_dir(tmp)
             if os.path.exists(final):
@@ -145,6 +174,34 @@ def open_storage(root: str | os.PathLike[str]) -> Storage:
     if "://" in text and not text.startswith("file://"):
         raise StorageError(f"{text}: unsupported URL scheme; use a local path or s3://bucket/prefix")
     return LocalStorage(text.removeprefix("file://"))
+
+
+def refuse_foreign(storage: Storage, path: str) -> None:
+    """Raise unless ``path`` is absent, empty, or a directory shardpoint wrote (it holds a marker).
+
+    Called before anything is written for a save whose target is ``path``, so a refused
+    save costs nothing and leaves the tree as it was. An empty directory holds nothing to
+    lose (a save that another tool began and abandoned, a ``mkdir`` ahead of time).
+
+    Raises:
+        ForeignDataError: naming ``path``, a few of the names it holds, and the fix.
+    """
+    if not storage.exists(path):
+        return
+    if not storage.is_dir(path):
+        raise ForeignDataError(
+            f"{path} exists and is a file, not a checkpoint shardpoint wrote; shardpoint never replaces data it "
+            "did not write: move it away, or save under another name or directory"
+        )
+    names = storage.listdir(path)
+    if not names or any(marker in names for marker in OWN_MARKERS):
+        return
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+    raise ForeignDataError(
+        f"{path} exists and was not written by shardpoint (it holds {shown}; no {OWN_MARKERS[0]}); "
+        "shardpoint never replaces data it did not write: move or delete it yourself, or save under another "
+        "directory or iteration"
+    )
 
 
 def fsync_dir(path: str) -> None:
