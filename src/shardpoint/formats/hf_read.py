@@ -181,17 +181,18 @@ def run_reads(reads: Sequence[Read], shards: Mapping[str, Shard], reader: RangeR
 
     A batch whose boxes all stay with their reader (FSDP2's disjoint shards) needs no
     agreement of its own: its failure is kept and raised by the one agreement at the
-    end. Before an exchange every rank's reads so far must have succeeded, or a rank
-    would wait for bytes that never come.
+    end. Before an exchange every rank's reads so far must have succeeded, and its landing
+    buffers must be allocated (a rank out of memory fails inside the agreement, naming
+    itself), or a rank would wait for bytes that never come.
     """
     error: BaseException | None = None
     for batch in _batches(reads):
         if any(rank != read.reader for read in batch for rank, _, _ in read.members):
-            sends = comm.agree(
-                lambda b=batch, e=error: _read_batch(b, shards, reader, me) if e is None else reraise(e),
+            sends, landing = comm.agree(
+                lambda b=batch, e=error: _prepare_exchange(b, shards, reader, me) if e is None else reraise(e),
                 "reading Hugging Face weights",
             )
-            _exchange(batch, sends, shards, me)
+            error = _exchange(batch, sends, landing, shards, me)
         elif error is None:
             try:
                 _read_batch(batch, shards, reader, me)
@@ -256,12 +257,33 @@ def _read_batch(
     return sends
 
 
+def _prepare_exchange(
+    batch: Sequence[Read], shards: Mapping[str, Shard], reader: RangeReader, me: int
+) -> tuple[dict[tuple[int, int], torch.Tensor], dict[int, torch.Tensor]]:
+    """Before an exchange: this rank's reads (the boxes it sends) and the buffers its receives land in."""
+    sends = _read_batch(batch, shards, reader, me)
+    landing = {}
+    for i, read in enumerate(batch):
+        for rank, _, size in read.members:
+            if rank == me != read.reader and _as_bytes_target(shards[read.key].tensor, read.tensor.dtype) is None:
+                landing[i] = torch.empty(math.prod(size) * read.tensor.dtype.itemsize, dtype=torch.uint8)
+    return sends, landing
+
+
 def _exchange(
-    batch: Sequence[Read], sends: Mapping[tuple[int, int], torch.Tensor], shards: Mapping[str, Shard], me: int
-) -> None:
-    """Send each box read for another rank to it; receive this rank's (raw bytes, in the same order everywhere)."""
+    batch: Sequence[Read],
+    sends: Mapping[tuple[int, int], torch.Tensor],
+    landing: Mapping[int, torch.Tensor],
+    shards: Mapping[str, Shard],
+    me: int,
+) -> BaseException | None:
+    """Send each box read for another rank to it; receive this rank's (raw bytes, in the same order everywhere).
+
+    Allocates nothing (``landing`` was allocated before the agreement); a failure to copy
+    what arrived is returned, to be raised by the next agreement, so no peer is left waiting.
+    """
     group = comm.control_group()
-    ops, landing = [], []
+    ops, copies = [], []
     for i, read in enumerate(batch):
         for rank, _, size in read.members:
             if rank == read.reader:
@@ -272,14 +294,18 @@ def _exchange(
                 target = shards[read.key].tensor
                 buffer = _as_bytes_target(target, read.tensor.dtype)
                 if buffer is None:
-                    buffer = torch.empty(math.prod(size) * read.tensor.dtype.itemsize, dtype=torch.uint8)
-                    landing.append((target, buffer.view(read.tensor.dtype).view(size)))
+                    buffer = landing[i]
+                    copies.append((target, buffer.view(read.tensor.dtype).view(size)))
                 ops.append(dist.P2POp(dist.irecv, buffer, read.reader, group))
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-    for target, box in landing:
-        copy_into(target, box)
+    try:
+        for target, box in copies:
+            copy_into(target, box)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the next agreement
+        return exc
+    return None
 
 
 def _as_bytes_target(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

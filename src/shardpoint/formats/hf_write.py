@@ -176,21 +176,30 @@ class FileWriter:
 
 def write_rounds(plan: WritePlan, shards: Mapping[str, Shard], writer: FileWriter, me: int) -> BaseException | None:
     """Round i: every writer assembles and writes its i-th tensor. A failure is kept, not raised: the exchange
-    must go on, or the ranks sending to this one would wait forever; it is raised by the agreement after."""
+    must go on, or the ranks sending to this one would wait forever; it is raised by the agreement after.
+
+    Every buffer a round needs (the full tensor, landing space for pieces that arrive into a
+    non-contiguous region, pieces converted for sending) is carved from one arena allocated
+    before the first round, inside an agreement: a rank that cannot allocate it (out of
+    memory) makes every rank raise naming it at once, instead of failing mid-exchange and
+    leaving its peers in ``batch_isend_irecv`` until the control group's timeout.
+    """
+    arena = comm.agree(lambda: _Arena(_largest_round(plan, shards, me)), "allocating the buffers for a weights save")
     error: BaseException | None = None
     group = comm.control_group()
     for step in range(max(len(s) for s in plan.sequence)):
         ops, full, landing = [], None, []
+        arena.reset()
         for rank, sequence in enumerate(plan.sequence):
             if step >= len(sequence):
                 continue
             key = sequence[step][1]
             dtype = plan.dtypes[key]
             if rank == me:
-                full = torch.empty(plan.boxes[key].global_shape, dtype=dtype)
+                full = arena.take(plan.boxes[key].global_shape, dtype)
             for source, offset, size in plan.sources(key, rank):
                 if source == me and rank != me:
-                    piece, failed = _piece(shards[key].tensor, dtype, size)
+                    piece, failed = _piece(shards[key].tensor, dtype, size, arena)
                     error = error or failed
                     ops.append(dist.P2POp(dist.isend, piece, rank, group))
                 elif rank == me:
@@ -200,7 +209,7 @@ def write_rounds(plan: WritePlan, shards: Mapping[str, Shard], writer: FileWrite
                     elif region.is_contiguous():
                         ops.append(dist.P2POp(dist.irecv, region.reshape(-1).view(torch.uint8), source, group))
                     else:
-                        buffer = torch.empty(size, dtype=dtype)
+                        buffer = arena.take(size, dtype)
                         ops.append(dist.P2POp(dist.irecv, buffer.reshape(-1).view(torch.uint8), source, group))
                         landing.append((region, buffer))
         if ops:
@@ -221,12 +230,69 @@ def write_rounds(plan: WritePlan, shards: Mapping[str, Shard], writer: FileWrite
     return error
 
 
-def _piece(tensor: torch.Tensor, dtype: torch.dtype, size: Sequence[int]) -> tuple[torch.Tensor, Exception | None]:
-    """This rank's piece as raw bytes in the output dtype; zeros of its size if that fails (the writer waits)."""
+class _Arena:
+    """One allocation, handed out as aligned views and reused by every round (reset between rounds)."""
+
+    _ALIGN = 64
+
+    def __init__(self, nbytes: int):
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.used = 0
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        view = self.buffer[self.used : self.used + nbytes]
+        self.used += _aligned(nbytes)
+        return view.view(dtype).view(tuple(shape))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _Arena._ALIGN) * _Arena._ALIGN
+
+
+def _largest_round(plan: WritePlan, shards: Mapping[str, Shard], me: int) -> int:
+    """The arena bytes this rank's busiest round takes: its full tensor, landing space, converted pieces."""
+    largest = 0
+    for step in range(max(len(s) for s in plan.sequence)):
+        total = 0
+        for rank, sequence in enumerate(plan.sequence):
+            if step >= len(sequence):
+                continue
+            key = sequence[step][1]
+            dtype = plan.dtypes[key]
+            shape = plan.boxes[key].global_shape
+            if rank == me:
+                total += _aligned(math.prod(shape) * dtype.itemsize)
+            meta = torch.empty(shape, dtype=dtype, device="meta")
+            for source, offset, size in plan.sources(key, rank):
+                sending = source == me and rank != me and _needs_conversion(shards[key].tensor, dtype)
+                landing = rank == me and source != me and not _region(meta, offset, size).is_contiguous()
+                if sending or landing:
+                    total += _aligned(math.prod(size) * dtype.itemsize)
+        largest = max(largest, total)
+    return largest
+
+
+def _needs_conversion(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return tensor.device.type != "cpu" or tensor.dtype != dtype or not tensor.is_contiguous()
+
+
+def _piece(
+    tensor: torch.Tensor, dtype: torch.dtype, size: Sequence[int], arena: _Arena
+) -> tuple[torch.Tensor, Exception | None]:
+    """This rank's piece as raw bytes in the output dtype (converted into the arena); zeros if that fails."""
+    if not _needs_conversion(tensor, dtype):
+        return tensor.detach().reshape(-1).view(torch.uint8), None
+    out = arena.take(size, dtype)
     try:
-        return tensor.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8), None
+        copy_into(out, tensor.detach())
+        return out.reshape(-1).view(torch.uint8), None
     except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement after the rounds
-        return torch.zeros(math.prod(size) * dtype.itemsize, dtype=torch.uint8), exc
+        out.zero_()
+        return out.reshape(-1).view(torch.uint8), exc
 
 
 def _region(full: torch.Tensor, offset: Sequence[int], size: Sequence[int]) -> torch.Tensor:
