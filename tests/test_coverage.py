@@ -127,6 +127,15 @@ def test_tiling_rules_and_cost():
     grid = [("g", (r * 2, c * 2), (2, 2), (8, 8), 0, r * 4 + c) for r in range(4) for c in range(4) if (r, c) != (2, 3)]
     with pytest.raises(sp.ShardingError, match=r"no rank declares \[4:6, 6:8\]"):
         check_tiling(grid)
+    # a tiling that is no grid (a brick wall) is checked by the sweep; one brick moved overlaps its neighbour
+    wall = [("w", (r, c * 4 + 2 * (r % 2)), (1, 4), (4, 20), 0, 0) for r in range(4) for c in range(4)]
+    wall += [("w", (r, 0), (1, 2), (4, 20), 0, 1) for r in (1, 3)] + [
+        ("w", (r, 16), (1, 4), (4, 20), 0, 1) for r in (0, 2)
+    ]
+    wall += [("w", (r, 18), (1, 2), (4, 20), 0, 1) for r in (1, 3)]
+    check_tiling(wall)
+    with pytest.raises(sp.ShardingError, match=r"\[1:2, 5:6\] is declared twice"):
+        check_tiling([*wall[:-1], ("w", (1, 5), (1, 2), (4, 20), 0, 2)])
     # cheap at scale: 4096 row-parallel pieces of one tensor and a 64 x 64 grid
     rows = [("r", (0, i * 2), (16, 2), (16, 8192), 0, i) for i in range(4096)]
     cells = [("c", (r, c), (1, 1), (64, 64), 0, r * 64 + c) for r in range(64) for c in range(64)]

@@ -21,10 +21,11 @@ declared replicas):
   writes every distinct box, so a stray one would overlap the canonical ones);
 * every rank must declare the same global shape.
 
-Disjointness is a sweep along the dimension the boxes split most, sorted by start
-(``O(n log n)`` for pieces split along one dimension; ``O(n k)`` where the pieces also
-split ``k`` ways across other dimensions, e.g. ``k = tp`` for experts split over ep and
-tp). Empty pieces (uneven FSDP shards) are not written and are skipped.
+Pieces that are the cells of a grid (every split tp, ep, FSDP and DTensor make) are
+recognised in ``O(n log n)``: each dimension's spans partition it and there is one box
+per cell. Other layouts, and the error path, sweep along the dimension the boxes split
+most (``O(n k)`` where pieces also split ``k`` ways across the other dimensions). Empty
+pieces (uneven FSDP shards) are not written and are skipped.
 
 Every rank decides from the same gathered data, so every rank raises the same
 :class:`~shardpoint.errors.ShardingError`, and the save stops before its directory
@@ -102,6 +103,8 @@ def _problem(found: list[Piece]) -> str | None:
             continue  # an empty piece is not written
         (holders if replica == 0 else copies).setdefault((offset, shape), []).append(rank)
     strays = {box: ranks for box, ranks in copies.items() if box not in holders}
+    if not strays and _is_grid(list(holders), full):
+        return None
     overlap = _first_overlap(list(holders))
     if overlap is not None:
         a, b = overlap
@@ -115,10 +118,30 @@ def _problem(found: list[Piece]) -> str | None:
         return None
     if covered < math.prod(full):
         hole = _hole(((0,) * len(full), full), list(holders))
-        declared = "; ".join(f"rank(s) {_ranks(r)} {_region(*box)}" for box, r in sorted(holders.items()))
+        declared = _strays(holders)
         stray = f"; held only as replicas (replica_id != 0) by {_strays(strays)}" if strays else ""
         return f"no rank declares {_region(*hole)} of {list(full)} (declared: {declared or 'nothing'}{stray})"
     return f"boxes declared as replicas (replica_id != 0) copy no canonical box: {_strays(strays)}"
+
+
+def _is_grid(boxes: list[_Box], full: tuple[int, ...]) -> bool:
+    """Whether ``boxes`` are every cell of a grid of ``full`` once (tp, ep, FSDP splits are): ``O(n log n)``.
+
+    Each dimension's distinct spans must partition it, and there must be as many
+    (distinct) boxes as the grid has cells: then each cell is one box.
+    """
+    cells = 1
+    for dim, size in enumerate(full):
+        end = 0
+        spans = sorted({(offset[dim], shape[dim]) for offset, shape in boxes})
+        for start, length in spans:
+            if start != end:
+                return False
+            end += length
+        if end != size:
+            return False
+        cells *= len(spans)
+    return len(boxes) == cells
 
 
 def _first_overlap(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
@@ -189,5 +212,7 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ", ".join(map(str, shown[:8])) + (f", ... ({len(shown)} ranks)" if len(shown) > 8 else "")
 
 
-def _strays(strays: dict[_Box, list[int]]) -> str:
-    return "; ".join(f"rank(s) {_ranks(r)} {_region(*box)}" for box, r in sorted(strays.items()))
+def _strays(boxes: dict[_Box, list[int]], limit: int = 8) -> str:
+    """``rank(s) 0 [0:4, 0:4]; ...``: who declares which box, the first ``limit`` boxes."""
+    shown = [f"rank(s) {_ranks(r)} {_region(*box)}" for box, r in sorted(boxes.items())[:limit]]
+    return "; ".join(shown) + (f"; ... ({len(boxes)} boxes)" if len(boxes) > limit else "")

@@ -15,6 +15,18 @@ shards in a line each::
             "layers.3.mlp.fc2.weight": sp.row_parallel(self.fc2.weight, topo),
             "layers.3.mlp.fc2.bias": self.fc2.bias,           # replicated
         }
+
+Experts (mixture-of-experts layers) come in the two conventions checkpoints use,
+both stored by global expert id so any ep / etp reads them:
+
+* one key per expert (Megatron's ``SequentialMLP``): local expert ``i`` on ep rank
+  ``r`` is global expert ``r × E_local + i`` (:func:`global_expert`), its weights split
+  over expert tensor parallel (:func:`expert_column_parallel`, :func:`expert_row_parallel`);
+* one stacked ``[E, ...]`` tensor per layer (torchtitan's ``GroupedExperts``, Megatron's
+  ``GroupedMLP`` as 3-D weights): this rank's ``[E_local, ...]`` slice of it,
+  :func:`grouped_experts`.
+
+Replicas of an expert piece (the experts' data parallel) declare ``replica_id = edp_rank``.
 """
 
 from __future__ import annotations
@@ -35,6 +47,10 @@ __all__ = [
     "Shard",
     "column_parallel",
     "divide",
+    "expert_column_parallel",
+    "expert_row_parallel",
+    "global_expert",
+    "grouped_experts",
     "row_parallel",
     "shard_along",
     "to_shard",
@@ -137,6 +153,44 @@ def row_parallel(tensor: torch.Tensor, topology: Topology) -> Shard:
 def vocab_parallel(tensor: torch.Tensor, topology: Topology) -> Shard:
     """VocabParallelEmbedding weight: split along the vocabulary, dim 0."""
     return column_parallel(tensor, topology)
+
+
+def global_expert(local_index: int, num_local_experts: int, topology: Topology) -> int:
+    """Megatron's global id of this rank's local expert ``local_index``: ``ep_rank × E_local + local_index``.
+
+    Example:
+        >>> topo = sp.Topology(dp_size=4, ep_size=4, rank=2)
+        >>> [f"mlp.experts.{sp.global_expert(i, 2, topo)}.fc1.weight" for i in range(2)]
+        ['mlp.experts.4.fc1.weight', 'mlp.experts.5.fc1.weight']
+    """
+    if not 0 <= local_index < num_local_experts:
+        raise ValueError(f"local expert {local_index} is not one of this rank's {num_local_experts}")
+    return topology.ep_rank * num_local_experts + local_index
+
+
+def expert_column_parallel(tensor: torch.Tensor, topology: Topology) -> Shard:
+    """One expert's ColumnParallelLinear weight or bias (``linear_fc1``): dim 0 split over expert tensor parallel."""
+    return shard_along(tensor, 0, topology.etp_rank, topology.etp_size, replica_id=topology.edp_rank)
+
+
+def expert_row_parallel(tensor: torch.Tensor, topology: Topology) -> Shard:
+    """One expert's RowParallelLinear weight (``linear_fc2``): dim 1 split over expert tensor parallel."""
+    return shard_along(tensor, 1, topology.etp_rank, topology.etp_size, replica_id=topology.edp_rank)
+
+
+def grouped_experts(tensor: torch.Tensor, topology: Topology, etp_dim: int | None = None) -> Shard:
+    """This rank's ``[E_local, ...]`` slice of a stacked ``[E, ...]`` expert tensor: dim 0 over ep.
+
+    ``etp_dim``: the dimension split over expert tensor parallel as well (e.g. 1 for a
+    ``[E, ffn, hidden]`` up-projection, 2 for ``[E, hidden, ffn]``); None when each
+    etp rank holds all of it (a bias of the row-parallel projection).
+    """
+    shape, offset = list(tensor.shape), [0] * tensor.dim()
+    for dim, rank, parts in ((0, topology.ep_rank, topology.ep_size), (etp_dim, topology.etp_rank, topology.etp_size)):
+        if dim is not None:
+            offset[dim] = shape[dim] * rank
+            shape[dim] *= parts
+    return Shard(tensor, tuple(shape), tuple(offset), topology.edp_rank)
 
 
 def to_shard(value: Any, key: str) -> Shard:
