@@ -5,7 +5,8 @@ expert (Megatron's SequentialMLP, global expert ``ep_rank × E_local + i``), lay
 stacked ``[E, ...]`` tensors (torchtitan's GroupedExperts), beside tensor-parallel dense
 weights and a replicated router. Saved with AdamW at 4 ranks (ep=4, and ep=2 × tp=2),
 it loads at 2 ranks (ep=2; ep=1 × etp=2; ep=2 × etp=1 with tp=2) and in one process
-with every parameter and Adam moment bit-identical.
+with every parameter and Adam moment bit-identical; the ``torch`` format's ep=4 save
+loads at ep=2 (dp 4 -> 2) as well.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def _save(rank: int, world: int, root: str):
         state = _state(topo, step=True)
         sp.Checkpointer(f"{root}/{name}", topology=topo).save(1, state)
         saved[name] = _pieces(state)
+        if name == "ep4":  # the torch format too: experts differ over dp, so each dp rank writes its own
+            sp.Checkpointer(f"{root}/torch-{name}", topology=topo, format="torch").save(1, state)
     return saved
 
 
@@ -116,6 +119,10 @@ def _load(rank: int, world: int, root: str):
             state = _state(topo, seed=1)
             sp.Checkpointer(f"{root}/{saved}", topology=topo).load(state)
             loaded[saved, name] = _pieces(state)
+    topo = sp.Topology(**LOAD_LAYOUTS["ep2"])  # the torch format keeps tp and pp; dp (and so ep) may change
+    state = _state(topo, seed=1)
+    sp.Checkpointer(f"{root}/torch-ep4", topology=topo).load(state)
+    loaded["torch-ep4", "ep2"] = _pieces(state)
     return loaded
 
 
@@ -137,6 +144,8 @@ def test_experts_reshard_to_other_ep_etp_tp_and_one_process_bit_exact(tmp_path):
         single = _state(sp.Topology(), seed=1)
         sp.Checkpointer(str(tmp_path / name), topology=sp.Topology()).load(single)
         _assert_same(expected, toy.assemble([_pieces(single)]), f"{name} -> one process")
+    expected = toy.assemble([r["ep4"] for r in saved])
+    _assert_same(expected, toy.assemble([r["torch-ep4", "ep2"] for r in loaded]), "torch format ep4 -> ep2")
 
 
 def test_expert_coordinates_follow_megatron_order():
