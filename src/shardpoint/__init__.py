@@ -9,6 +9,7 @@ from shardpoint._version import __version__
 from shardpoint.checkpointer import Checkpointer, LoadResult
 from shardpoint.errors import (
     CheckpointError,
+    CheckpointTimeoutError,
     ConfigMismatchError,
     CorruptCheckpointError,
     MissingKeysError,
@@ -42,6 +43,7 @@ from shardpoint.state.train_state import TrainState
 __all__ = [
     "BestN",
     "CheckpointError",
+    "CheckpointTimeoutError",
     "Checkpointer",
     "ConfigMismatchError",
     "CorruptCheckpointError",

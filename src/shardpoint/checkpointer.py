@@ -36,7 +36,8 @@ from shardpoint.lifecycle.node_local import detect as detect_nodes
 from shardpoint.lifecycle.policy import preservation_policies, save_decision
 from shardpoint.lifecycle.save_pipeline import VALIDATION_FILE, SavePipeline
 from shardpoint.lifecycle.upload import RemoteMirror
-from shardpoint.parallel import comm
+from shardpoint.parallel import comm, deadline
+from shardpoint.parallel.deadline import DEFAULT_ROUND_TIMEOUT
 from shardpoint.parallel.topology import Topology
 from shardpoint.state.naming import Rename
 from shardpoint.state.train_state import (
@@ -91,6 +92,13 @@ class Checkpointer:
         local_keep: local checkpoints kept on each node, replicas included.
         local_replicas: copies of each rank's files held by ranks on other nodes, sent
             over shardpoint's gloo group in the background (no shared filesystem).
+        round_timeout: seconds any collective round of a save, load, commit or tier
+            transfer waits for every rank (default 300, or ``SHARDPOINT_ROUND_TIMEOUT``).
+            When it passes, every rank that arrived raises ``CheckpointTimeoutError``
+            naming the ranks that did not; nothing committed changes. It must exceed the
+            longest step one rank takes while the others wait (rank 0 verifying a large
+            checkpoint on slow storage); None leaves only the control group's 2-hour bound.
+            Process-wide, as the control group is. See :mod:`shardpoint.parallel.deadline`.
 
     Example:
         >>> ckpt = Checkpointer("runs/gpt", topology=topo, save_interval=100, keep_last=3)
@@ -126,11 +134,13 @@ class Checkpointer:
         local_interval: int | None = None,
         local_keep: int = 2,
         local_replicas: int = 1,
+        round_timeout: float | None = DEFAULT_ROUND_TIMEOUT,
     ):
         if async_save and format != "dist":
             raise ValueError(f"async_save=True needs format='dist' (got format={format!r})")
         if replica_check_interval < 0:
             raise ValueError(f"replica_check_interval must be >= 0, got {replica_check_interval}")
+        deadline.set_round_timeout(round_timeout)
         comm.control_group()  # collective: created here, on every rank in the same order
         self.storage = open_storage(path)
         self.root = self.storage.root

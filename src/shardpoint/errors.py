@@ -10,6 +10,8 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "ConfigMismatchError",
     "CorruptCheckpointError",
     "MissingKeysError",
@@ -119,6 +121,27 @@ class ShardingError(CheckpointError):
             "check the global_offset of every sp.Shard (each tensor-parallel or expert-parallel rank its own "
             "part) and that every part is declared by some rank."
         )
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint path a framework was given does not exist.
+
+    Also a ``FileNotFoundError``: that is what Lightning raises for a missing
+    ``ckpt_path``, and what users' code catches.
+    """
+
+
+class CheckpointTimeoutError(CheckpointError):
+    """A collective round passed its deadline (``Checkpointer(round_timeout=...)``): some ranks never arrived.
+
+    Raised on every rank that did arrive; ``missing`` names the ranks that did not (a
+    rank stopped, stuck in I/O or paused by a debugger), ``round`` what the round was for.
+    """
+
+    def __init__(self, message: str, missing: list[int] | None = None, round: str = ""):
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.round = round
 
 
 def _preview(keys: list[str], limit: int = 8) -> str:

@@ -297,9 +297,7 @@ def _exchange(
                     buffer = landing[i]
                     copies.append((target, buffer.view(read.tensor.dtype).view(size)))
                 ops.append(dist.P2POp(dist.irecv, buffer, read.reader, group))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    comm.exchange(ops, "sending Hugging Face weights read for other ranks")
     try:
         for target, box in copies:
             copy_into(target, box)

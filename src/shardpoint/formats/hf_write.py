@@ -212,9 +212,7 @@ def write_rounds(plan: WritePlan, shards: Mapping[str, Shard], writer: FileWrite
                         buffer = arena.take(size, dtype)
                         ops.append(dist.P2POp(dist.irecv, buffer.reshape(-1).view(torch.uint8), source, group))
                         landing.append((region, buffer))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+        comm.exchange(ops, "assembling Hugging Face tensors")
         if full is not None and error is None:
             try:
                 for region, buffer in landing:

@@ -215,9 +215,7 @@ class Exchange:
                 ops += [dist.P2POp(dist.isend, self.chunks[at], peer, group) for peer in ranks]
             elif at in self.incoming:
                 ops.append(dist.P2POp(dist.irecv, self.incoming[at], self.reader_of(at), group))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+        comm.exchange(ops, "sending the chunks of a shared load")
         with torch.no_grad():
             for at in self.landing:
                 chunk = self.incoming[at]

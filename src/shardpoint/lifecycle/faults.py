@@ -12,7 +12,9 @@ background write, after its own file) and ``local-before-publish`` (after every 
 agreed, before this rank renames its copies into place).
 
 Actions: ``kill`` (SIGKILL, the process dies on the spot), ``raise`` (an OSError,
-as a failing disk would), ``stall`` (sleep ``seconds``, default 30). Without the
+as a failing disk would), ``stall`` (sleep ``seconds``, default 30), ``stop``
+(SIGSTOP: alive but stuck, as a frozen mount or a debugger leaves a rank, until
+someone sends SIGCONT or SIGKILL). Without the
 variable every :func:`hit` is a dictionary lookup.
 """
 
@@ -69,5 +71,7 @@ def _trigger(fault: dict[str, str], point: str, rank: int) -> None:
         raise OSError(code, f"injected fault at {point} on rank {rank}: {os.strerror(code)}")
     elif action == "stall":
         time.sleep(float(fault.get("seconds", 30)))
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     else:
-        raise ValueError(f"{ENV}: unknown action {action!r}; choose kill, raise or stall")
+        raise ValueError(f"{ENV}: unknown action {action!r}; choose kill, raise, stall or stop")

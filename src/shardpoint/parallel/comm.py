@@ -9,7 +9,10 @@ decisions, polls) runs on one dedicated gloo group of all ranks, the *control
 group*, never on the trainer's default group. Under NCCL the default group would
 pickle every object onto the current GPU, sync the training stream for each poll, and
 abort after NCCL's 10-minute watchdog while rank 0 alone verifies or deletes; the
-control group lives on the CPU and waits :data:`CONTROL_TIMEOUT`. It is created at
+control group lives on the CPU and waits at most the round deadline
+(:mod:`shardpoint.parallel.deadline`: a round that passes it raises
+``CheckpointTimeoutError`` naming the ranks that never arrived), never beyond
+:data:`CONTROL_TIMEOUT`. It is created at
 the first collective (the Checkpointer makes one at construction, so every rank
 creates it at the same point) and again after the default group is re-created.
 Only bulk tensor data may use the trainer's group, where it moves GPU memory itself
@@ -18,6 +21,7 @@ Only bulk tensor data may use the trainer's group, where it moves GPU memory its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import traceback
@@ -28,7 +32,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardpoint.errors import CheckpointError
+from shardpoint.errors import CheckpointError, CheckpointTimeoutError
+from shardpoint.parallel import deadline
 
 T = TypeVar("T")
 
@@ -36,6 +41,7 @@ T = TypeVar("T")
 CONTROL_TIMEOUT = timedelta(seconds=float(os.environ.get("SHARDPOINT_CONTROL_TIMEOUT", 2 * 3600)))
 
 _control: dict[str, Any] = {"world": None, "group": None}
+_timeouts: dict[str, timedelta] = {}  # the timeout each of shardpoint's gloo groups has now, by group name
 
 
 def initialized() -> bool:
@@ -50,11 +56,16 @@ def world_size() -> int:
     return dist.get_world_size() if initialized() else 1
 
 
-def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
+def broadcast(obj: Any, src: int = 0, group: Any = None, what: str = "a collective round") -> Any:
     """``obj`` from global rank ``src`` on every rank of ``group`` (None: the control group)."""
     if not initialized() or world_size() == 1:
         return obj
     group = group or control_group()
+    with _watched(group, what):
+        return _broadcast(obj, src, group)
+
+
+def _broadcast(obj: Any, src: int, group: Any) -> Any:
     if not _framed(group):
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=group)
@@ -70,11 +81,16 @@ def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
     return obj if rank() == src else _decode(whole, length)
 
 
-def all_gather(obj: Any, group: Any = None) -> list[Any]:
+def all_gather(obj: Any, group: Any = None, what: str = "a collective round") -> list[Any]:
     """Every rank's ``obj``, in rank order of ``group`` (None: the control group)."""
     if not initialized() or world_size() == 1:
         return [obj]
     group = group or control_group()
+    with _watched(group, what):
+        return _all_gather(obj, group)
+
+
+def _all_gather(obj: Any, group: Any) -> list[Any]:
     size = dist.get_world_size(group)
     if not _framed(group):
         out: list[Any] = [None] * size
@@ -92,7 +108,7 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
     return [_decode(w, n) for w, n in zip(wholes, lengths)]
 
 
-def gather_to(obj: Any, dst: int, group: Any = None) -> list[Any] | None:
+def gather_to(obj: Any, dst: int, group: Any = None, what: str = "a collective round") -> list[Any] | None:
     """Gather to global rank ``dst`` over ``group`` (None: the control group, or no group).
 
     Objects too large for the gathered frame follow point to point, from just the
@@ -101,6 +117,11 @@ def gather_to(obj: Any, dst: int, group: Any = None) -> list[Any] | None:
     if not initialized() or (group is None and world_size() == 1):
         return [obj]
     group = group or control_group()
+    with _watched(group, what):
+        return _gather_to(obj, dst, group)
+
+
+def _gather_to(obj: Any, dst: int, group: Any) -> list[Any] | None:
     size = dist.get_world_size(group)
     if not _framed(group):
         out = [None] * size if rank() == dst else None
@@ -176,6 +197,36 @@ def _padded(data: bytes, length: int) -> torch.Tensor:
     return whole
 
 
+def _watched(group: Any, what: str) -> Any:
+    """The round's deadline, on shardpoint's gloo groups (a trainer's NCCL group keeps its own watchdog)."""
+    if not _framed(group):
+        return contextlib.nullcontext()
+    _keep_deadline(group)
+    return deadline.watched(group, what)
+
+
+def _keep_deadline(group: Any) -> None:
+    """Give ``group`` the current round deadline (groups made before a Checkpointer set it have another one).
+
+    Local: a process group's timeout is set on each rank alone, no collective.
+    """
+    wanted = deadline.group_timeout(CONTROL_TIMEOUT)
+    if _timeouts.get(group.group_name) != wanted:
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # the only setter torch offers
+
+        _set_pg_timeout(wanted, group)
+        _timeouts[group.group_name] = wanted
+
+
+def exchange(ops: list[Any], what: str) -> None:
+    """``batch_isend_irecv`` of ``ops`` and a wait for all of them, under the round deadline on gloo groups."""
+    if not ops:
+        return
+    with _watched(ops[0].group, what):
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+
 def new_group(ranks: list[int] | None = None) -> Any:
     """A gloo group (all ranks, or ``ranks``) for control traffic; None without a process group.
 
@@ -184,7 +235,7 @@ def new_group(ranks: list[int] | None = None) -> Any:
     """
     if not initialized():
         return None
-    return dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
+    return dist.new_group(ranks, backend="gloo", timeout=deadline.group_timeout(CONTROL_TIMEOUT))
 
 
 def control_group() -> Any:
@@ -228,9 +279,11 @@ def moves_directly(backend: str, device_type: str) -> bool:
     return name is not None and name != "gloo"
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: Any = None, what: str = "a barrier") -> None:
     if initialized() and world_size() > 1:
-        dist.barrier(group=group or control_group())
+        group = group or control_group()
+        with _watched(group, what):
+            dist.barrier(group=group)
 
 
 def agree(step: Callable[[], T], what: str, group: Any = None) -> T:
@@ -241,7 +294,7 @@ def agree(step: Callable[[], T], what: str, group: Any = None) -> T:
     and their first error line.
     """
     result, error = _attempt(step)
-    outcomes = all_gather(_summary(error), group)
+    outcomes = all_gather(_summary(error), group, what)
     _raise_failures(error, dict(enumerate(outcomes)), what)
     return result
 
@@ -249,7 +302,7 @@ def agree(step: Callable[[], T], what: str, group: Any = None) -> T:
 def agree_all(step: Callable[[], T], what: str, group: Any = None) -> list[T]:
     """:func:`agree`, returning every rank's result of ``step`` (one all-gather carries both)."""
     result, error = _attempt(step)
-    outcomes = all_gather((_summary(error), None if error else result), group)
+    outcomes = all_gather((_summary(error), None if error else result), group, what)
     _raise_failures(error, {r: s for r, (s, _) in enumerate(outcomes)}, what)
     return [value for _, value in outcomes]
 
@@ -257,7 +310,7 @@ def agree_all(step: Callable[[], T], what: str, group: Any = None) -> list[T]:
 def from_root(step: Callable[[], T], what: str, group: Any = None) -> T:
     """Rank 0 runs ``step``; its result, or its failure raised everywhere, reaches every rank (one broadcast)."""
     result, error = _attempt(step) if rank() == 0 else (None, None)
-    summary, result = broadcast((_summary(error), None if error else result), group=group)
+    summary, result = broadcast((_summary(error), None if error else result), group=group, what=what)
     _raise_failures(error, {0: summary}, what)
     return result
 
@@ -269,7 +322,9 @@ def decide_at_root(value: Any, error: BaseException | None, decide: Callable[[li
     rank's own step or in ``decide``, is raised on every rank as :func:`agree` does.
     Returns ``decide``'s result on rank 0 and None elsewhere. Over the control group.
     """
-    gathered = gather_to((_summary(error), None if error else value), 0)
+    if isinstance(error, CheckpointTimeoutError):
+        raise error  # as in _attempt: a broken round is not followed by another
+    gathered = gather_to((_summary(error), None if error else value), 0, what=what)
     verdict: dict[int, str | None] = {}
     result, root_error = None, None
     if gathered is not None:  # rank 0 (or a single process)
@@ -278,7 +333,7 @@ def decide_at_root(value: Any, error: BaseException | None, decide: Callable[[li
             result, root_error = _attempt(lambda: decide([v for _, v in gathered]))
             if root_error is not None:
                 verdict = {rank(): _summary(root_error)}
-    verdict = broadcast(verdict)
+    verdict = broadcast(verdict, what=what)
     _raise_failures(error or root_error, verdict, what)
     return result
 
@@ -286,6 +341,8 @@ def decide_at_root(value: Any, error: BaseException | None, decide: Callable[[li
 def _attempt(step: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     try:
         return step(), None
+    except CheckpointTimeoutError:
+        raise  # a round inside the step broke: its peers are named already, and the next round could hang too
     except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
         return None, exc
 
