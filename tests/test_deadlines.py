@@ -92,3 +92,64 @@ def test_a_rank_stopped_mid_save_is_named_and_the_previous_checkpoint_loads(tmp_
     assert {r["iteration"] for r in resumed} == {1}
     assert_resumed_from_committed(tmp_path, resumed)
     assert not any(n.startswith(".shardpoint-tmp") for n in resumed[0]["entries"])
+
+
+def _load_then_stop(rank: int, world: int, root: str, fmt: str):
+    topo = sp.Topology(2, 1, 2)
+    toy.seed_rng(topo)
+    state = toy.build(topo, zero=True)
+    pids = _pids()
+    ckpt = sp.Checkpointer(root, topology=topo, format=fmt, round_timeout=DEADLINE)
+    toy.train_step(state, 1)
+    ckpt.save(1, state)
+    torch.save(toy.snapshot(state), f"{root}/../committed_{rank}.pt")
+    fresh = toy.build(topo, zero=True)
+    os.environ["SHARDPOINT_FAULT"] = f"point=mid-load,rank={STOPPED},action=stop"
+    _outcome(rank, root, pids, lambda: ckpt.load(fresh))
+
+
+@pytest.mark.parametrize("fmt", ["dist", "torch"])
+def test_a_rank_stopped_mid_load_is_named_and_a_restart_loads_exactly(tmp_path, fmt):
+    root = tmp_path / "run"
+    codes = launch(_load_then_stop, 4, str(root), fmt, expect_failure=True, timeout=60)
+    assert codes[STOPPED] == -9, codes
+    _assert_named(tmp_path)
+    resumed = launch(_resume, 4, str(root), fmt)
+    assert {r["iteration"] for r in resumed} == {1}
+    assert_resumed_from_committed(tmp_path, resumed)
+
+
+def _tier_copy_then_stop(rank: int, world: int, base: str):
+    topo = sp.Topology(2, 1, 2)
+    toy.seed_rng(topo)
+    state = toy.build(topo, zero=True)
+    pids = _pids()
+    ckpt = sp.Checkpointer(
+        f"{base}/run",
+        topology=topo,
+        save_interval=100,
+        local_dir=f"{base}/node{rank // 2}",
+        local_interval=2,
+        local_replicas=1,
+        round_timeout=DEADLINE,
+    )
+    toy.train_step(state, 1)
+    ckpt.save(1, state)
+    torch.save(toy.snapshot(state), f"{base}/committed_{rank}.pt")
+    toy.train_step(state, 2)
+    os.environ["SHARDPOINT_FAULT"] = f"point=local-after-data,rank={STOPPED},action=stop"
+
+    def local_save_and_replicate():
+        ckpt.maybe_save(2, state)
+        ckpt.wait()
+
+    _outcome(rank, f"{base}/run", pids, local_save_and_replicate)
+
+
+def test_a_rank_stopped_mid_local_tier_copy_is_named_and_a_restart_loads_exactly(tmp_path):
+    codes = launch(_tier_copy_then_stop, 4, str(tmp_path), expect_failure=True, timeout=60)
+    assert codes[STOPPED] == -9, codes
+    _assert_named(tmp_path)
+    resumed = launch(_resume, 4, str(tmp_path / "run"), "dist")
+    assert {r["iteration"] for r in resumed} == {1}
+    assert_resumed_from_committed(tmp_path, resumed)

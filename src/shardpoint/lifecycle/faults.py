@@ -9,7 +9,8 @@ given separated by ``;``. Points, in the order a save reaches them:
 being one); and in local-first mode ``during-upload`` (each rank's background
 upload, before its first object); for the local tier ``local-after-data`` (each rank's
 background write, after its own file) and ``local-before-publish`` (after every rank
-agreed, before this rank renames its copies into place).
+agreed, before this rank renames its copies into place); and in a load ``mid-load``
+(after the files were checked, before this rank reads its tensors).
 
 Actions: ``kill`` (SIGKILL, the process dies on the spot), ``raise`` (an OSError,
 as a failing disk would), ``stall`` (sleep ``seconds``, default 30), ``stop``
@@ -39,6 +40,7 @@ POINTS = (
     "during-upload",
     "local-after-data",
     "local-before-publish",
+    "mid-load",
 )
 
 

@@ -31,6 +31,7 @@ from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import ConfigMismatchError, CorruptCheckpointError, MissingKeysError
 from shardpoint.formats import CheckpointFormat, FormatContext, Loaded, get_format
 from shardpoint.formats.base import read_torch_file
+from shardpoint.lifecycle import faults
 from shardpoint.lifecycle.discovery import LoadSources
 from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
@@ -182,6 +183,7 @@ class LoadPipeline:
         self._check_config(opened.meta, opened.path)
         streamed = self._verify(opened, opts)
         flat = self._collect_targets(state, opened, opts)
+        faults.hit("mid-load", comm.rank())
         loaded = self._read(opened, flat, streamed)
         self._restore(state, flat, loaded, opened, opts)
         log.info(
