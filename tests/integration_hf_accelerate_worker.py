@@ -1,5 +1,8 @@
 """Worker of tests/test_integration_accelerate.py: shardpoint's save_state / load_state under torchrun (CPU, gloo).
 
+Training runs as an unedited Accelerate script would, with ``patch(accelerator)`` added:
+its ``accelerator.save_state(...)`` / ``accelerator.load_state()`` calls go through shardpoint.
+
 ``python integration_hf_accelerate_worker.py PHASE OUT``; each phase writes its results under OUT:
 
 * ``runs`` (2 ranks, ``Accelerator(cpu=True)``: DDP): an uninterrupted run (project
@@ -23,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ParallelismConfig, ProjectConfiguration
 
 import shardpoint as sp
-from shardpoint.integrations.accelerate import load_state, save_state
+from shardpoint.integrations.accelerate import load_state, patch
 
 EPOCHS, STEPS_PER_EPOCH, SAVE_EVERY, STOP = 2, 4, 2, 6  # 32 samples, 4 per rank and step, 2 ranks
 
@@ -68,6 +71,7 @@ def train(project: str, stop_after: int | None = None) -> dict:
         project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True, total_limit=2),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
+    patch(accelerator)  # the script's own accelerator.save_state / load_state calls go through shardpoint
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -78,7 +82,7 @@ def train(project: str, stop_after: int | None = None) -> dict:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    loaded = load_state(accelerator)  # None on a fresh start
+    loaded = accelerator.load_state()  # None on a fresh start
     start = progress.step
     for epoch in range(start // STEPS_PER_EPOCH, EPOCHS):
         loader.set_epoch(epoch)
@@ -91,7 +95,7 @@ def train(project: str, stop_after: int | None = None) -> dict:
             optimizer.zero_grad()
             progress.step += 1
             if progress.step % SAVE_EVERY == 0:
-                save_state(accelerator)
+                accelerator.save_state(safe_serialization=True)
             if progress.step == stop_after:
                 return snapshot(accelerator, model, optimizer, scheduler, progress, loaded)
     return snapshot(accelerator, model, optimizer, scheduler, progress, loaded)

@@ -1,7 +1,8 @@
 """``shardpoint.integrations.accelerate.save_state / load_state`` with the real ``accelerate.Accelerator``.
 
 * Under ``torchrun`` at 2 ranks (``Accelerator(cpu=True)``: DDP on gloo; the jobs are in
-  tests/integration_hf_accelerate_worker.py): a run stopped after step 6 of 8 and
+  tests/integration_hf_accelerate_worker.py, whose training loop calls
+  ``accelerator.save_state`` / ``load_state`` on a patched Accelerator): a run stopped after step 6 of 8 and
   resumed in new processes, mid-epoch, ends with weights, optimizer state and scheduler
   bit-identical to an uninterrupted run. Model, optimizer, scheduler, a data loader, a
   ``register_for_checkpointing`` object and the random streams (the model has dropout)
