@@ -67,6 +67,7 @@ from shardpoint.formats.base import (
     write_torch_file,
 )
 from shardpoint.formats.batched_writes import write_plan
+from shardpoint.formats.dcp_metadata import DCP_METADATA, SafeMetadata, share_metadata
 from shardpoint.formats.dcp_read import StreamingReads
 from shardpoint.formats.dist_replay import fingerprint_of, shard_spec, write_metadata, write_with_plan
 from shardpoint.parallel import comm
@@ -74,9 +75,10 @@ from shardpoint.state import naming, rank_local
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import Storage
-from shardpoint.storage.safe_io import load_dcp_metadata, paused_gc
+from shardpoint.storage.safe_io import paused_gc
 
 __all__ = [
+    "DCP_METADATA",
     "DistFormat",
     "SafeFileSystemReader",
     "ShardLoadPlanner",
@@ -92,7 +94,6 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 COMMON_FILE = "common.pt"
-DCP_METADATA = ".metadata"
 
 
 def rng_file(rank: int) -> str:
@@ -166,41 +167,11 @@ def _same_chunk(key: str, md: Any, chunk: ChunkStorageMetadata) -> ReadItem | No
     return None
 
 
-class _SafeMetadata:
-    """DCP's ``read_metadata``, with ``.metadata`` unpickled by the restricted unpickler, once per reader.
-
-    shardpoint reads the metadata to plan before ``dcp.load``, which reads it again.
-    """
-
-    _metadata: Metadata | None = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            self._metadata = self._read_metadata()
-        return self._metadata
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        super().reset(checkpoint_id)  # type: ignore[misc]
-        self._metadata = None  # another checkpoint (dcp.load(checkpoint_id=...) reuses readers)
-
-    def _read_metadata(self) -> Metadata:
-        path = self.fs.concat_path(self.path, DCP_METADATA)
-        try:
-            with self.fs.create_stream(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path} is missing; the dist checkpoint is incomplete") from None
-        metadata = load_dcp_metadata(data, str(path))
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(f"{path} does not hold DCP metadata")
-        return metadata
-
-
-class SafeFileSystemReader(StreamingReads, _SafeMetadata, FileSystemReader):
+class SafeFileSystemReader(StreamingReads, SafeMetadata, FileSystemReader):
     """DCP's local reader, with safe metadata loading and one checked pass per file (see StreamingReads)."""
 
 
-class SafeFsspecReader(StreamingReads, _SafeMetadata, FsspecReader):
+class SafeFsspecReader(StreamingReads, SafeMetadata, FsspecReader):
     """DCP's fsspec reader (object storage), with safe metadata loading and one checked pass per file."""
 
     direct_reads = False  # reading an item's end first would defeat the object store's read-ahead
@@ -422,25 +393,29 @@ class DistFormat:
         return sorted(meta.files)
 
     def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:
-        """DCP's data files: their checksums are checked as they are read (see dcp_read)."""
-        return {name for name in meta.files if name.endswith(".distcp")}
+        """DCP's data files (see dcp_read) and ``.metadata`` (by the one rank that reads it, share_metadata)."""
+        return {name for name in meta.files if name.endswith(".distcp") or name == DCP_METADATA}
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
-        """Two rounds at any rank count: one to agree on the plan (and the file checks), one on the reads.
+        """Three rounds at any rank count: ``.metadata`` from rank 0, the plan (and the file checks), the reads.
 
-        A load needs no central planning (DCP's global load plan is every rank's own
-        plan unchanged), so each rank runs DCP's reader and planner by itself
-        (``dcp.load(no_dist=True)``) and DCP's own plan gather, scatter and read
-        all-gather are not made; the outcome round raises any rank's failure everywhere.
+        ``.metadata`` is read and checked once per job, by rank 0, and broadcast
+        (:func:`share_metadata`), not read by every rank. A load needs no central
+        planning (DCP's global load plan is every rank's own plan unchanged), so each
+        rank runs DCP's reader and planner by itself (``dcp.load(no_dist=True)``) and
+        DCP's own plan gather, scatter and read all-gather are not made; the outcome
+        round raises any rank's failure everywhere.
         """
         expected = {n: meta.files[n] for n in self.checksummed_while_reading(meta)} if ctx.verify else None
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items)
+        reader.metadata_record = (expected or {}).get(DCP_METADATA)
+        share_metadata(reader)
         local: dict[str, Any] = {}
 
         def prepare() -> tuple[list[str], dict]:
             if ctx.checks is not None:
                 ctx.checks()  # the pipeline's file checks: their outcome rides on this round's
-            local["metadata"] = metadata = reader.read_metadata()
+            local["metadata"] = metadata = reader.read_metadata()  # as share_metadata left it
             local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, metadata)
             _check_shapes(targets, metadata, meta, ctx)
             local["present"] = present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
@@ -481,7 +456,7 @@ class DistFormat:
                 exchange.stage()  # outside _dcp_errors: a GPU out of memory is not a damaged file
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
-            return sorted(reader.checked), reader.bytes_read
+            return sorted(reader.checked | reader.metadata_checked), reader.bytes_read
 
         outcomes = comm.agree_all(read, "reading the checkpoint")
         if exchange is not None and exchange.needed():

@@ -1,0 +1,141 @@
+"""DCP's ``.metadata``, read and checked once per job rather than once per rank.
+
+Every rank of a load needs the checkpoint's DCP metadata to plan its reads. Read by
+every rank, it is the one file whose reads grow with the job twice over: it grows with
+the ranks that saved (one chunk record per shard) and is read by every rank that loads,
+204 MB × 4096 ranks, 835 GB from shared storage for one load. Here rank 0 reads it,
+checks its size and checksum while it holds the bytes, and broadcasts them over the
+control group (:func:`share_metadata`); each rank unpickles them with the restricted
+unpickler as if it had read the file. :data:`metadata_reads` counts what this process
+read, so a test can sum it over ranks.
+
+:class:`SafeMetadata` is the mixin that gives DCP's readers this ``read_metadata``;
+plain ``dcp.load`` with those readers works as before (each reader reads the file itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+from torch.distributed.checkpoint.metadata import Metadata
+
+from shardpoint.catalog.metadata import FileRecord
+from shardpoint.errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
+from shardpoint.parallel import comm
+from shardpoint.storage.safe_io import load_dcp_metadata
+
+__all__ = ["DCP_METADATA", "MetadataReads", "SafeMetadata", "metadata_reads", "share_metadata"]
+
+DCP_METADATA = ".metadata"
+
+
+@dataclass
+class MetadataReads:
+    """What this process read of DCP ``.metadata`` files from storage, over every load it ran.
+
+    A load reads ``.metadata`` on one rank and broadcasts it (:func:`share_metadata`), so
+    summed over the ranks of a job this is the file's size once per load, not once per
+    rank (204 MB × 4096 ranks was 835 GB of reads from shared storage for one load).
+    """
+
+    bytes: int = 0
+    reads: int = 0
+
+
+#: this process's count (tests sum it over ranks)
+metadata_reads = MetadataReads()
+
+
+class SafeMetadata:
+    """DCP's ``read_metadata``, with ``.metadata`` unpickled by the restricted unpickler, once per reader.
+
+    shardpoint reads the metadata to plan before ``dcp.load``, which reads it again.
+    ``metadata_record``: when set, the file's size and checksum are checked as it is read
+    (before anything is unpickled); ``metadata_checked`` then names it.
+    """
+
+    _metadata: Metadata | None = None
+    metadata_record: FileRecord | None = None
+    metadata_checked: frozenset[str] = frozenset()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = self._parse_metadata(self.read_metadata_bytes())
+        return self._metadata
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        super().reset(checkpoint_id)  # type: ignore[misc]
+        self._metadata = None  # another checkpoint (dcp.load(checkpoint_id=...) reuses readers)
+        self.metadata_checked = frozenset()
+
+    def read_metadata_bytes(self) -> bytes:
+        """The bytes of ``.metadata`` from storage, checked against :attr:`metadata_record` if set."""
+        path = self._metadata_path()
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path} is missing; the dist checkpoint is incomplete") from None
+        metadata_reads.bytes += len(data)
+        metadata_reads.reads += 1
+        record = self.metadata_record
+        if record is not None:
+            if len(data) != record.size or xxhash.xxh3_64_hexdigest(data) != record.xxh3_64:
+                raise CorruptCheckpointError(
+                    f"checkpoint {self.path} is damaged: {DCP_METADATA}: checksum mismatch (the contents changed "
+                    "after saving). Load an earlier iteration (iteration=N or fallback=True) or run `shardpoint verify`"
+                )
+            self.metadata_checked = frozenset({DCP_METADATA})
+        return data
+
+    def use_metadata_bytes(self, data: bytes) -> Metadata:
+        """Take ``.metadata`` as another rank read it (checked there); unpickled here as if read here."""
+        self._metadata = self._parse_metadata(data)
+        return self._metadata
+
+    def _metadata_path(self) -> Any:
+        return self.fs.concat_path(self.path, DCP_METADATA)
+
+    def _parse_metadata(self, data: bytes) -> Metadata:
+        path = self._metadata_path()
+        metadata = load_dcp_metadata(data, str(path))
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{path} does not hold DCP metadata")
+        return metadata
+
+
+def share_metadata(reader: SafeMetadata) -> Metadata:
+    """Collective: rank 0 reads (and checks) ``.metadata`` once; every rank gets its bytes in one broadcast.
+
+    Every rank unpickles the bytes with the restricted unpickler, as if it had read them;
+    rank 0 does first, so no rank unpickles what failed its checks. A failure on rank 0
+    is raised on every rank, as the same class where it says what is wrong with the
+    checkpoint (damaged, unsafe, unreachable), so a bad checkpoint reads alike everywhere.
+    """
+    data, error = None, None
+    if comm.rank() == 0:
+        try:
+            data = reader.read_metadata_bytes()
+            reader.use_metadata_bytes(data)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            data, error = None, exc
+    failure = None if error is None else (_kind_of(error), f"{type(error).__name__}: {error}")
+    failure, data = comm.broadcast((failure, data), what="reading .metadata")
+    if error is not None:
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(f"reading {DCP_METADATA} failed on rank 0: {failure[1]}") from error
+    if failure is not None:
+        kind, text = failure
+        raise kind(f"rank 0 could not read {DCP_METADATA}: {text}")
+    return reader.read_metadata() if comm.rank() == 0 else reader.use_metadata_bytes(data)
+
+
+def _kind_of(error: BaseException) -> type[CheckpointError]:
+    """The class the other ranks raise for rank 0's ``error``: a damaged, unsafe or unreachable file stays one."""
+    for kind in (UnsafeCheckpointError, CorruptCheckpointError, StorageError):
+        if isinstance(error, kind):
+            return kind
+    return CheckpointError

@@ -1,0 +1,141 @@
+"""``.metadata`` is read once per load, not once per rank, and still checked where it is read (issue 36 item 2).
+
+Counted two ways in each rank's process: shardpoint's own count
+(:data:`shardpoint.formats.dcp_metadata.metadata_reads`) and, underneath it, every
+byte of a file named ``.metadata`` that the process read from storage: from the local
+disk (an audit hook on ``open``, which sees every file any code opens) or from the S3
+server (s3fs's ranged GETs). The second catches reads outside the format too (the
+pipeline's checksum checks). At 16 ranks, as the issue asks (about 6 s locally, 13 s on S3).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint.formats import dcp_metadata
+from shardpoint.storage.s3 import s3_filesystem
+from tests import toy
+from tests.distributed import launch
+
+RANKS = 16
+_SEEN = {"bytes": 0}
+
+
+def _count_local_reads() -> None:
+    """Add the size of every ``.metadata`` opened for reading (it is always read whole) to ``_SEEN``."""
+
+    def hook(event: str, args: tuple) -> None:
+        if event != "open" or not isinstance(args[0], (str, os.PathLike)):
+            return
+        path, mode, flags = os.fspath(args[0]), args[1], args[2]
+        reading = ("r" in mode and "+" not in mode) if isinstance(mode, str) else (flags & os.O_ACCMODE) == os.O_RDONLY
+        if reading and os.path.basename(path) == ".metadata" and os.path.isfile(path):
+            _SEEN["bytes"] += os.path.getsize(path)
+
+    sys.addaudithook(hook)
+
+
+def _count_s3_reads() -> None:
+    """Add every byte fetched from the S3 server for an object named ``.metadata`` to ``_SEEN``."""
+    from s3fs.core import S3File, S3FileSystem
+
+    fetch, cat = S3File._fetch_range, S3FileSystem._cat_file
+
+    def fetch_range(self, start, end):
+        data = fetch(self, start, end)
+        if self.path.endswith("/.metadata"):
+            _SEEN["bytes"] += len(data)
+        return data
+
+    async def cat_file(self, path, *args, **kwargs):
+        data = await cat(self, path, *args, **kwargs)
+        if str(path).endswith("/.metadata"):
+            _SEEN["bytes"] += len(data)
+        return data
+
+    S3File._fetch_range, S3FileSystem._cat_file = fetch_range, cat_file
+
+
+def _save_then_count_load(rank: int, world: int, root: str, damage: bool):
+    topo = sp.Topology(1, 1, world)
+    toy.seed_rng(topo)
+    state = toy.build(topo, zero=False)
+    toy.train_step(state, 1)
+    sp.Checkpointer(root, topology=topo).save(1, state)
+    if damage and rank == 0:
+        _flip_a_byte(root)
+    torch.distributed.barrier()
+    (_count_s3_reads if root.startswith("s3://") else _count_local_reads)()
+    dcp_metadata.metadata_reads.bytes = 0
+    fresh = toy.build(topo, zero=False)
+    try:
+        sp.Checkpointer(root, topology=topo).load(fresh)
+    except sp.CheckpointError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    saved, loaded = toy.snapshot(state)["tensors"], toy.snapshot(fresh)["tensors"]
+    return {
+        "counted": dcp_metadata.metadata_reads.bytes,
+        "seen": _SEEN["bytes"],
+        "same": saved.keys() == loaded.keys() and all(torch.equal(saved[k][2], loaded[k][2]) for k in saved),
+    }
+
+
+def _metadata_path(root: str) -> str:
+    return f"{root}/iter_0000001/.metadata"
+
+
+def _metadata_size(root: str) -> int:
+    if root.startswith("s3://"):
+        return s3_filesystem().size(_metadata_path(root).removeprefix("s3://"))
+    return os.path.getsize(_metadata_path(root))
+
+
+def _flip_a_byte(root: str) -> None:
+    """Damage ``.metadata`` in the middle, keeping its size (only its checksum tells)."""
+    if root.startswith("s3://"):
+        fs, path = s3_filesystem(), _metadata_path(root).removeprefix("s3://")
+        data = bytearray(fs.cat_file(path))
+        data[len(data) // 2] ^= 0xFF
+        fs.pipe_file(path, bytes(data))
+        return
+    with open(_metadata_path(root), "r+b") as f:
+        f.seek(os.path.getsize(_metadata_path(root)) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _assert_read_once(results: list[dict], root: str) -> None:
+    size = _metadata_size(root)
+    assert all(r["same"] for r in results)
+    assert sum(r["counted"] for r in results) <= 1.05 * size, ([r["counted"] for r in results], size)
+    assert sum(r["seen"] for r in results) <= 1.05 * size, ([r["seen"] for r in results], size)
+    assert results[0]["seen"] == size  # rank 0 is the one reader (this is no test of a load that read nothing)
+
+
+def test_metadata_is_read_once_per_load_from_local_disk(tmp_path):
+    root = str(tmp_path / "run")
+    _assert_read_once(launch(_save_then_count_load, RANKS, root, False), root)
+
+
+def test_metadata_is_read_once_per_load_from_s3(s3_server, bucket):
+    root = f"{bucket}/run"
+    _assert_read_once(launch(_save_then_count_load, RANKS, root, False, env=s3_server.env), root)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_damaged_metadata_is_refused_on_every_rank(tmp_path, request, where):
+    """Its checksum is checked by the rank that reads it, before anything is unpickled."""
+    env = None
+    root = str(tmp_path / "run")
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        root, env = f"{request.getfixturevalue('bucket')}/run", server.env
+    results = launch(_save_then_count_load, 2, root, True, env=env)
+    assert {r["error"] for r in results} == {"CorruptCheckpointError"}, results
+    assert all(".metadata" in r["message"] and "checksum" in r["message"] for r in results), results
