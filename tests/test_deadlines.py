@@ -54,7 +54,8 @@ def _pids() -> list[int]:
     return pids
 
 
-def _save_then_stop(rank: int, world: int, root: str, fmt: str, point: str):
+def _committed_once(rank: int, root: str, fmt: str):
+    """A 4-rank job that committed iteration 1 (its state kept for the resume check): topology, state, pids, ckpt."""
     topo = sp.Topology(2, 1, 2)
     toy.seed_rng(topo)
     state = toy.build(topo, zero=True)
@@ -63,6 +64,11 @@ def _save_then_stop(rank: int, world: int, root: str, fmt: str, point: str):
     toy.train_step(state, 1)
     ckpt.save(1, state)
     torch.save(toy.snapshot(state), f"{root}/../committed_{rank}.pt")
+    return topo, state, pids, ckpt
+
+
+def _save_then_stop(rank: int, world: int, root: str, fmt: str, point: str):
+    _, state, pids, ckpt = _committed_once(rank, root, fmt)
     toy.train_step(state, 2)
     os.environ["SHARDPOINT_FAULT"] = f"point={point},rank={STOPPED},action=stop"
     _outcome(rank, root, pids, lambda: ckpt.save(2, state))
@@ -95,14 +101,7 @@ def test_a_rank_stopped_mid_save_is_named_and_the_previous_checkpoint_loads(tmp_
 
 
 def _load_then_stop(rank: int, world: int, root: str, fmt: str):
-    topo = sp.Topology(2, 1, 2)
-    toy.seed_rng(topo)
-    state = toy.build(topo, zero=True)
-    pids = _pids()
-    ckpt = sp.Checkpointer(root, topology=topo, format=fmt, round_timeout=DEADLINE)
-    toy.train_step(state, 1)
-    ckpt.save(1, state)
-    torch.save(toy.snapshot(state), f"{root}/../committed_{rank}.pt")
+    topo, _, pids, ckpt = _committed_once(rank, root, fmt)
     fresh = toy.build(topo, zero=True)
     os.environ["SHARDPOINT_FAULT"] = f"point=mid-load,rank={STOPPED},action=stop"
     _outcome(rank, root, pids, lambda: ckpt.load(fresh))

@@ -92,13 +92,8 @@ class Checkpointer:
         local_keep: local checkpoints kept on each node, replicas included.
         local_replicas: copies of each rank's files held by ranks on other nodes, sent
             over shardpoint's gloo group in the background (no shared filesystem).
-        round_timeout: seconds any collective round of a save, load, commit or tier
-            transfer waits for every rank (default 300, or ``SHARDPOINT_ROUND_TIMEOUT``).
-            When it passes, every rank that arrived raises ``CheckpointTimeoutError``
-            naming the ranks that did not; nothing committed changes. It must exceed the
-            longest step one rank takes while the others wait (rank 0 verifying a large
-            checkpoint on slow storage); None leaves only the control group's 2-hour bound.
-            Process-wide, as the control group is. See :mod:`shardpoint.parallel.deadline`.
+        round_timeout: seconds each collective round waits for every rank before raising
+            ``CheckpointTimeoutError`` naming the missing ones (see :mod:`shardpoint.parallel.deadline`).
 
     Example:
         >>> ckpt = Checkpointer("runs/gpt", topology=topo, save_interval=100, keep_last=3)
