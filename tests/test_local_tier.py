@@ -20,7 +20,7 @@ import torch
 import shardpoint as sp
 from shardpoint.catalog.metadata import FileRecord
 from shardpoint.cli import main as cli_main
-from shardpoint.tier.marker import LOCAL_MARKER, HeldCopy, LocalMarker, held_copies
+from shardpoint.tier.marker import LOCAL_MARKER, HeldCopy, LocalMarker, held_copies, run_dir_name
 from shardpoint.tier.placement import Nodes, TierLayoutError, nodes_from_domains, place_replicas
 from shardpoint.tier.retention import stale_copies
 from tests import multinode, toy
@@ -125,6 +125,11 @@ def _train(rank, world, base, steps, per_node, tp, env_fault=None, fault_step=No
     return {"loaded": loaded, "after_load": after_load, "snaps": snaps, "held": held, "logs": logs, "times": times}
 
 
+def _run(node: Path, persistent: Path | str) -> Path:
+    """A node's directory of the run whose persistent path is ``persistent`` (shardpoint.tier.marker)."""
+    return node / run_dir_name(str(persistent))
+
+
 def _same(a: dict, b: dict) -> None:
     assert a["tensors"].keys() == b["tensors"].keys()
     for key, (_, _, tensor) in a["tensors"].items():
@@ -140,7 +145,9 @@ def test_damaged_own_copy_falls_back_to_the_peer_replica(tmp_path):
     for r in first:  # wait() committed and replicated each save: both nodes hold both ranks' files
         assert r["held"][4] == [(2, 0), (2, 1), (4, 0), (4, 1)] and r["held"][3] == [(2, 0), (2, 1)]
         assert r["times"].saves == 2 and r["times"].last_replicated_bytes > 0
-    own = base / "node1/local_0000004/rank_00001/state.pt"
+    markers = [json.loads(p.read_text()) for p in base.glob(f"node*/run-*/local_0000004/rank_*/{LOCAL_MARKER}")]
+    assert len(markers) == 4 and len({m["save_id"] for m in markers}) == 1  # one save id, every copy of the save
+    own = _run(base / "node1", base / "persistent") / "local_0000004/rank_00001/state.pt"
     data = bytearray(own.read_bytes())
     data[len(data) // 2] ^= 0xFF
     own.write_bytes(bytes(data))
@@ -158,16 +165,17 @@ def test_crash_during_local_save_leaves_the_previous_one(tmp_path):
     fault = "point=local-after-data,rank=1,action=kill"
     codes = launch(_train, 2, str(base), 8, 1, 2, fault, 6, expect_failure=True, timeout=60)
     assert codes[1] != 0
-    assert list((base / "node1/local_0000006").glob(".shardpoint-tmp-*"))  # partial, invisible
+    node0, node1 = (_run(base / n, base / "persistent") for n in ("node0", "node1"))
+    assert list((node1 / "local_0000006").glob(".shardpoint-tmp-*"))  # partial, invisible
     fault = "point=local-before-publish,rank=1,action=kill"
     codes = launch(_train, 2, str(base), 6, 1, 2, fault, 6, expect_failure=True, timeout=60)
     assert codes[1] != 0
     # rank 0 published its copy and rank 1's replica of 6, rank 1 died before publishing its own
-    assert (base / "node0/local_0000006/rank_00001" / LOCAL_MARKER).exists()
-    assert not (base / "node1/local_0000006/rank_00001").exists()
+    assert (node0 / "local_0000006/rank_00001" / LOCAL_MARKER).exists()
+    assert not (node1 / "local_0000006/rank_00001").exists()
     final = launch(_train, 2, str(base), 7, 1, 2)
     assert [r["loaded"][:2] for r in final] == [(6, "local"), (6, "peer")]
-    assert not list(base.glob("node*/local_*/.shardpoint-tmp-*"))  # leftovers removed at the start
+    assert not list(base.glob("node*/run-*/local_*/.shardpoint-tmp-*"))  # leftovers removed at the start
 
 
 def _save_with_failing_disk(rank, world, base):
@@ -200,7 +208,8 @@ def test_a_failed_local_write_is_raised_on_every_rank(tmp_path):
     assert "injected fault at local-after-data on rank 1" in caught[1]
     assert "rank(s) [1]" in caught[0]
     for node in ("node0", "node1"):  # 2 stays; nothing of 4 is left, committed or partial
-        assert [p.relative_to(base / node).as_posix() for p in sorted((base / node).glob("local_*/*"))] == [
+        run = _run(base / node, base / "persistent")
+        assert [p.relative_to(run).as_posix() for p in sorted(run.glob("local_*/*"))] == [
             "local_0000002/rank_00000",
             "local_0000002/rank_00001",
         ]
@@ -210,7 +219,10 @@ def test_other_layout_or_fewer_nodes_load_the_persistent_store(tmp_path):
     base = tmp_path / "job"
     launch(_train, 2, str(base), 13, 1, 2)
     for node in ("node0", "node1"):  # 10 was due for both tiers: saved persistently only
-        assert sorted(p.name for p in (base / node).glob("local_*")) == ["local_0000008", "local_0000012"]
+        assert sorted(p.name for p in _run(base / node, base / "persistent").glob("local_*")) == [
+            "local_0000008",
+            "local_0000012",
+        ]
     assert (base / "persistent/iter_0000010/shardpoint.json").exists()
     fewer = launch(_train, 2, str(base), 10, 2, 2)  # the same two ranks on one node (both use node0)
     assert [r["loaded"][:2] for r in fewer] == [(10, "persistent"), (10, "persistent")]
@@ -235,7 +247,7 @@ def test_inspect_shows_local_checkpoints_as_non_persistent_and_prune_refuses(tmp
     ]
     assert cli_main(["prune", str(base / "node0"), "--keep-last", "1"]) != 0
     assert "non-persistent local-tier" in capsys.readouterr().err
-    assert len(list((base / "node0").glob("local_*/rank_*"))) == 4  # nothing deleted
+    assert len(list((base / "node0").glob("run-*/local_*/rank_*"))) == 4  # nothing deleted
 
 
 def test_single_process_and_no_local_arguments(tmp_path):
@@ -261,6 +273,74 @@ def test_single_process_and_no_local_arguments(tmp_path):
     again.close()
     assert (result.iteration, result.tier, result.metadata.format) == (4, "local", "local")
     _same(toy.snapshot(state), toy.snapshot(fresh))
+
+
+def _one_process_run(persistent: Path, local_dir: Path, steps: int, keep: int = 2):
+    """One process: load (None or a result), then train and save locally every 2 steps up to ``steps``."""
+    topo = sp.Topology(1, 1, 1)
+    state = toy.build(topo)
+    ckpt = sp.Checkpointer(
+        str(persistent), topology=topo, local_dir=str(local_dir), local_interval=2, local_keep=keep, save_interval=100
+    )
+    result = ckpt.load(state)
+    snaps = {}
+    for step in range((result.iteration if result else 0) + 1, steps + 1):
+        toy.train_step(state, step)
+        ckpt.maybe_save(step, state)
+        snaps[step] = toy.snapshot(state)
+    ckpt.close()
+    return result, snaps, toy.snapshot(state) if result else None
+
+
+def test_a_damaged_newest_copy_falls_back_to_the_older_one_and_deletes_nothing(tmp_path, caplog):
+    """Issue 34 item 3: local_keep=2, saves at 2 and 4, one flipped byte in 4: resumes at 2, 2 and 4 both stay."""
+    _, snaps, _ = _one_process_run(tmp_path / "p", tmp_path / "l", 4)
+    run = _run(tmp_path / "l", tmp_path / "p")
+    newest = run / "local_0000004/rank_00000/state.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="shardpoint"):
+        result, _, loaded = _one_process_run(tmp_path / "p", tmp_path / "l", 2)
+    assert (result.iteration, result.tier) == (2, "local")
+    _same(snaps[2], loaded)
+    assert any("damaged" in m and str(newest.parent) in m for m in caplog.messages)
+    assert sorted(p.name for p in run.glob("local_*")) == ["local_0000002", "local_0000004"]  # nothing deleted
+
+
+def test_another_runs_local_copies_are_never_loaded_nor_deleted(tmp_path, caplog):
+    """Issue 34 item 4: runA and runB share local_dir; empty runB starts fresh, runA's copies stay and still load."""
+    shared = tmp_path / "local"
+    _, snaps_a, _ = _one_process_run(tmp_path / "runA", shared, 4)
+    with caplog.at_level(logging.WARNING, logger="shardpoint"):
+        result_b, _, _ = _one_process_run(tmp_path / "runB", shared, 6, keep=1)
+    assert result_b is None  # before the fix: runA's iteration 4
+    assert any("another run" in m and str(tmp_path / "runA") in m for m in caplog.messages), caplog.messages
+    run_a, run_b = _run(shared, tmp_path / "runA"), _run(shared, tmp_path / "runB")
+    assert sorted(p.name for p in run_a.glob("local_*")) == ["local_0000002", "local_0000004"]
+    assert sorted(p.name for p in run_b.glob("local_*")) == ["local_0000006"]  # runB's keep=1 pruned only its own
+    result_a, _, loaded = _one_process_run(tmp_path / "runA", shared, 4)
+    assert (result_a.iteration, result_a.tier) == (4, "local")
+    _same(snaps_a[4], loaded)
+    marker = json.loads((run_a / "local_0000004/rank_00000" / LOCAL_MARKER).read_text())
+    assert marker["run"] == str(tmp_path / "runA") and marker["save_id"]
+
+
+def test_copies_of_two_saves_of_one_iteration_never_mix():
+    """Issue 34 item 5: rank 0's copy of one save of 4 and rank 1's of another are not a checkpoint; 2 is next."""
+    from shardpoint.tier.choose import Offer, plan
+
+    nodes = Nodes(((0,), (1,)))
+
+    def offer(iteration, owner, save_id):
+        return Offer(iteration, owner, owner, f"/n{owner}/{iteration}/{save_id}", {}, "{}", None, save_id)
+
+    mixed = [offer(4, 0, "b"), offer(4, 1, "a"), offer(2, 0, "x"), offer(2, 1, "x")]
+    candidates, _ = plan(mixed, nodes, newer_than=-1)
+    assert [c.save for c in candidates] == [(2, "x")]
+    again = [*mixed, offer(4, 1, "b"), offer(4, 0, "a")]  # both saves of 4 complete: the later save first
+    assert [c.save for c in plan(again, nodes, newer_than=-1)[0]] == [(4, "b"), (4, "a"), (2, "x")]
+    assert plan(mixed[:2], nodes, newer_than=-1)[0] == []
 
 
 # ------------------------------------------- two torchrun agents, loopback S3
@@ -290,7 +370,7 @@ def test_node_replaced_resumes_from_the_local_tier(s3_server, bucket, tmp_path, 
        node 1's rank taking its files from node 0's copy over the process group,
        bit-identical at 14 and through 17;
     2. a flipped byte in the copy on node 0 that the replaced node needs: named, and
-       the job falls back to the persistent store at 10;
+       the job falls back to the next older local checkpoint, 12 (issue 34 item 3);
     3. in that same job, both local dirs wiped and a new Checkpointer: 10 from the
        persistent store (S3).
     """
@@ -305,7 +385,9 @@ def test_node_replaced_resumes_from_the_local_tier(s3_server, bucket, tmp_path, 
     first = multinode.results(out, 2)
     replaced = next(r["rank"] for r in first if r["node_dir"] == dirs[1])
     for d in dirs:  # local_keep=2 per node, each its own rank's copy and the other's replica; 10 went to S3 only
-        assert sorted(p.relative_to(d).as_posix() for p in Path(d).glob("local_*/rank_*")) == [
+        assert sorted(
+            p.relative_to(_run(Path(d), persistent)).as_posix() for p in Path(d).glob("run-*/local_*/rank_*")
+        ) == [
             "local_0000012/rank_00000",
             "local_0000012/rank_00001",
             "local_0000014/rank_00000",
@@ -327,23 +409,25 @@ def test_node_replaced_resumes_from_the_local_tier(s3_server, bucket, tmp_path, 
         assert after["loaded"]["tiers"] == resumed[0]["loaded"]["tiers"]
     on_node1 = next(r for r in resumed if r["node_dir"] == dirs[1])
     server = next(r["rank"] for r in resumed if r["node_dir"] == dirs[0])
-    assert f"rank {server} ({dirs[0]}/local_0000014/" in on_node1["loaded"]["source"]
-    assert (Path(dirs[1]) / "local_0000016").is_dir()  # the replaced node saves (and holds) again
+    assert f"rank {server} ({_run(Path(dirs[0]), persistent)}/local_0000014/" in on_node1["loaded"]["source"]
+    assert (_run(Path(dirs[1]), persistent) / "local_0000016").is_dir()  # the replaced node saves (and holds) again
 
-    # 2. the copy the replaced node needs is damaged: named, then the persistent store
+    # 2. the copy the replaced node needs is damaged: named, then the next older local checkpoint
     shutil.rmtree(dirs[0])
     shutil.rmtree(dirs[1])
     shutil.copytree(pristine, dirs[0])
-    needed = Path(dirs[0]) / "local_0000014" / f"rank_{replaced:05d}"
+    needed = _run(Path(dirs[0]), persistent) / "local_0000014" / f"rank_{replaced:05d}"
     _flip_byte(needed / "state.pt")
     fallback = _restart(dirs, tmp_path / "damaged", 10, persistent, s3_server.env, "--then-wipe-and-reload")
-    assert [(r["loaded"]["iteration"], r["loaded"]["tier"]) for r in fallback] == [(10, "persistent")] * 2
-    assert all(r["loaded"]["source"].startswith("s3://") for r in fallback)
+    for r in fallback:  # 12 from the local tier: node 0's own copies, the replaced node's over the process group
+        expected = "peer" if r["node_dir"] == dirs[1] else "local"
+        assert (r["loaded"]["iteration"], r["loaded"]["tier"]) == (12, expected)
     warnings = [m for r in fallback for level, m in r["messages"] if level == "WARNING"]
     assert any(str(needed) in m and "damaged" in m for m in warnings), warnings
-    assert any("persistent store" in m for m in warnings)
+    assert any("next older local checkpoint" in m for m in warnings)
     # 3. both local dirs wiped: the persistent store on S3
     assert [(r["reloaded"]["iteration"], r["reloaded"]["tier"]) for r in fallback] == [(10, "persistent")] * 2
+    assert all(r["reloaded"]["source"].startswith("s3://") for r in fallback)
     for before, after in zip(first, fallback):
-        _same(before["steps"][10], after["loaded"]["snapshot"])
+        _same(before["steps"][12], after["loaded"]["snapshot"])
         _same(before["steps"][10], after["reloaded"]["snapshot"])

@@ -389,7 +389,8 @@ def _local_tier(
     if ckpt.storage.is_local and os.path.abspath(local_dir) == os.path.abspath(ckpt.root):
         raise ValueError(f"local_dir must differ from the persistent path {ckpt.root}: the tiers never mix")
     options = LocalTierOptions(local_dir=local_dir, local_interval=interval, local_keep=keep, local_replicas=replicas)
-    return LocalTier(options, topology, ckpt.config)
+    run = ckpt.mirror.root if ckpt.mirror else ckpt.root  # with upload_to, node-local paths differ per node
+    return LocalTier(options, topology, ckpt.config, run)
 
 
 def default_thread_count() -> int:

@@ -55,7 +55,7 @@ from shardpoint.demo.report import PhaseReport, Recovery, compare_losses, phase_
 from shardpoint.demo.trainer import TrainConfig
 from shardpoint.lifecycle import commit
 from shardpoint.storage.base import LocalStorage, Storage, open_storage
-from shardpoint.tier.marker import held_copies
+from shardpoint.tier.marker import describe_local_dir
 
 __all__ = ["loopback_s3", "run_cluster_demo", "wait_for_s3_server"]
 
@@ -326,11 +326,8 @@ def _local_tier_demo(
 
 def _newest_complete(local_dir: str, world: int) -> int | None:
     """The newest local-tier iteration of which ``local_dir`` (one node) holds every rank's files, or None."""
-    owners: dict[int, set[int]] = {}
-    for copy in held_copies(LocalStorage(local_dir), local_dir):
-        owners.setdefault(copy.iteration, set()).add(copy.owner)
-    complete = [iteration for iteration, ranks in owners.items() if len(ranks) == world]
-    return max(complete, default=None)
+    rows = describe_local_dir(LocalStorage(local_dir), local_dir)["checkpoints"]
+    return max((row["iteration"] for row in rows if len(set(row["ranks_held"])) == world), default=None)
 
 
 def _local_tier_problems(

@@ -4,32 +4,33 @@ Every rank runs the same sequence on the control group::
 
     offer     each node's leader lists the committed copies in its local_dir; every
               rank receives every node's list (one all-gather)
-    plan      every rank computes the same answer from the same lists: the newest
-              iteration (newer than the persistent one) of which every rank's files
-              have at least one copy saved at this job's layout, and for each rank its
-              copies in order of preference: on its own node first, then the other
-              nodes in ring order
+    plan      every rank computes the same answer from the same lists: the saves
+              (iteration and save id, newer than the persistent one) of which every
+              rank's files have at least one copy saved at this job's layout, newest
+              first, and for each rank its copies in order of preference: on its own
+              node first, then the other nodes in ring order
     verify    the node holding each rank's preferred copy checksums it (the rank
               itself when the copy is on its node, else a rank of that node); the
               outcomes are all-gathered; a damaged or missing copy is named in the log
               and the rank's next copy is tried in the next round (at most
-              local_replicas + 1 rounds)
+              local_replicas + 1 rounds); when no copy of some rank's files is intact,
+              the next older save is verified the same way
 
 The answer is a :class:`Choice`: per rank, its tier (``"local"``: a copy on its own
 node's disk, ``"peer"``: a copy on another node, sent over the process group by
 :mod:`shardpoint.tier.fetch`) and source. None means the next tier, the persistent
 store, is used, and the log says why: no local checkpoint, one saved at another
 layout or on other nodes (the tier is bound to its layout, invariant 12), one
-incomplete across ranks, or a rank whose every copy failed its checksum. Only the
-newest complete iteration is offered: when its copies fail, the persistent store
-is next, not an older local iteration (a disk that damaged one copy is not trusted
-with the older ones, and each round of checksums costs a read of the state).
+incomplete across ranks, or every complete save newer than the persistent one has
+a rank whose every copy failed its checksum. Copies are grouped by save id, never
+by iteration alone: after a crash during a publish, one rank's copy of an older
+save of the same iteration is not mixed with another rank's copy of the newer one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from shardpoint.catalog.integrity import checksum_file
@@ -39,7 +40,7 @@ from shardpoint.storage.base import Storage
 from shardpoint.tier.marker import LocalMarker, held_copies
 from shardpoint.tier.placement import Nodes
 
-__all__ = ["LOCAL", "PEER", "Choice", "Offer", "Source", "choose", "marker_of", "offers", "plan"]
+__all__ = ["LOCAL", "PEER", "Candidate", "Choice", "Offer", "Source", "choose", "marker_of", "offers", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,11 @@ class Offer:
     files: dict[str, FileRecord]
     marker: str  # the copy's marker (JSON), so a rank that fetches it can publish its own copy
     problem: str | None = None  # why this job cannot load it (another layout), or None
+    save_id: str = ""  # the save it belongs to (LocalMarker.save_id)
+
+    @property
+    def save(self) -> tuple[int, str]:
+        return self.iteration, self.save_id
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,27 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One save of which every rank's files have a copy: each rank's copies by preference."""
+
+    iteration: int
+    save_id: str
+    copies: dict[int, list[Offer]]
+
+    @property
+    def save(self) -> tuple[int, str]:
+        return self.iteration, self.save_id
+
+
+@dataclass(frozen=True)
 class Choice:
     iteration: int
     sources: dict[int, Source]
+    save_id: str = ""
+
+    @property
+    def save(self) -> tuple[int, str]:
+        return self.iteration, self.save_id
 
 
 Incompatibility = Callable[[LocalMarker], "str | None"]
@@ -91,37 +115,50 @@ def offers(storage: Storage, root: str, nodes: Nodes, incompatible: Incompatibil
         node = nodes.node_of(me)
         for c in held_copies(storage, root):
             mine.append(
-                Offer(c.iteration, c.owner, node, c.path, c.marker.files, c.marker.to_json(), incompatible(c.marker))
+                Offer(
+                    c.iteration,
+                    c.owner,
+                    node,
+                    c.path,
+                    c.marker.files,
+                    c.marker.to_json(),
+                    incompatible(c.marker),
+                    c.marker.save_id,
+                )
             )
     return [offer for part in comm.agree_all(lambda: mine, "listing local-tier copies") for offer in part]
 
 
 def plan(
     all_offers: Sequence[Offer], nodes: Nodes, newer_than: int, exact: int | None = None
-) -> tuple[int | None, dict[int, list[Offer]], str]:
-    """The iteration to try and each rank's copies by preference, or ``(None, {}, why not)``. Pure."""
+) -> tuple[list[Candidate], str]:
+    """The saves to try, newest first (iteration, then save id), or ``([], why none)``. Pure.
+
+    A save is a candidate when every rank's files have a copy of that very save: copies
+    of two saves of one iteration (a crash between two ranks' publishes) never mix.
+    """
     usable = [o for o in all_offers if o.problem is None and 0 <= o.owner < nodes.world_size]
-    wanted = sorted(
-        {o.iteration for o in usable if (o.iteration == exact if exact is not None else o.iteration > newer_than)}
-    )
+    wanted = [o for o in usable if (o.iteration == exact if exact is not None else o.iteration > newer_than)]
+    by_save: dict[tuple[int, str], dict[int, list[Offer]]] = {}
+    for o in wanted:
+        by_save.setdefault(o.save, {}).setdefault(o.owner, []).append(o)
+    complete = [
+        Candidate(it, sid, {owner: _preferred(owner, copies, nodes) for owner, copies in sorted(owners.items())})
+        for (it, sid), owners in sorted(by_save.items(), reverse=True)
+        if len(owners) == nodes.world_size
+    ]
+    if complete:
+        return complete, ""
     foreign = [o for o in all_offers if o.problem is not None]
-    for iteration in reversed(wanted):
-        by_owner: dict[int, list[Offer]] = {}
-        for o in usable:
-            if o.iteration == iteration:
-                by_owner.setdefault(o.owner, []).append(o)
-        if len(by_owner) == nodes.world_size:
-            return iteration, {owner: _preferred(owner, copies, nodes) for owner, copies in by_owner.items()}, ""
     if not wanted and foreign:
         why = f"its checkpoints were {foreign[0].problem}: the local tier loads only at the layout it was saved at"
-        return None, {}, why
+        return [], why
     if not wanted:
         target = f"iteration {exact}" if exact is not None else f"a checkpoint newer than iteration {newer_than}"
-        return None, {}, f"it has no {target}"
-    newest = wanted[-1]
-    have = {o.owner for o in usable if o.iteration == newest}
-    lost = sorted(set(range(nodes.world_size)) - have)
-    return None, {}, f"iteration {newest} has no copy of rank(s) {lost[:8]}'s files on any node"
+        return [], f"it has no {target}"
+    newest = max(by_save)
+    lost = sorted(set(range(nodes.world_size)) - set(by_save[newest]))
+    return [], f"iteration {newest[0]} has no copy of rank(s) {lost[:8]}'s files of that save on any node"
 
 
 def choose(
@@ -133,19 +170,31 @@ def choose(
     newer_than: int,
     exact: int | None,
     verify: bool,
-) -> Choice | None:
-    """Collective: the verified choice, or None (then the log says why the persistent store is next)."""
+    skip: Collection[tuple[int, str]] = (),
+) -> tuple[Choice | None, list[tuple[int, str]]]:
+    """Collective: the newest verified choice (not among ``skip``), and the saves that failed verification.
+
+    None means the persistent store is next; the log says why.
+    """
     found = offers(storage, root, nodes, incompatible)
-    iteration, candidates, why = plan(found, nodes, newer_than, exact)
-    if iteration is None:
+    candidates, why = plan(found, nodes, newer_than, exact)
+    candidates = [c for c in candidates if c.save not in skip]
+    if not candidates:
         if comm.rank() == 0:
+            why = why or "no copy that was not tried already"
             (log.warning if found else log.info)("local tier (%s) not used: %s; next: the persistent store", root, why)
-        return None
-    sources, why = _verify_rounds(storage, nodes, iteration, candidates, verify)
-    if sources is None:
-        log.warning("local tier not used: %s; loading from the persistent store", why)
-        return None
-    return Choice(iteration, sources)
+        return None, []
+    failed = []
+    for candidate in candidates:
+        sources, why = _verify_rounds(storage, nodes, candidate, verify)
+        if sources is not None:
+            return Choice(candidate.iteration, sources, candidate.save_id), failed
+        failed.append(candidate.save)
+        log.warning("local tier: %s; trying the next older local checkpoint", why)
+    log.warning(
+        "local tier not used: no local checkpoint has an intact copy of every rank's files; next: the persistent store"
+    )
+    return None, failed
 
 
 def _preferred(owner: int, copies: list[Offer], nodes: Nodes) -> list[Offer]:
@@ -161,11 +210,11 @@ def _server(offer: Offer, nodes: Nodes) -> int:
 
 
 def _verify_rounds(
-    storage: Storage, nodes: Nodes, iteration: int, candidates: Mapping[int, list[Offer]], verify: bool
+    storage: Storage, nodes: Nodes, candidate: Candidate, verify: bool
 ) -> tuple[dict[int, Source] | None, str]:
     """Check each rank's preferred copy; a damaged one is named and the next copy tried, round by round."""
-    me = comm.rank()
-    remaining = {owner: list(copies) for owner, copies in candidates.items()}
+    me, iteration = comm.rank(), candidate.iteration
+    remaining = {owner: list(copies) for owner, copies in candidate.copies.items()}
     chosen: dict[int, Source] = {}
     while len(chosen) < nodes.world_size:
         exhausted = sorted(o for o, copies in remaining.items() if o not in chosen and not copies)

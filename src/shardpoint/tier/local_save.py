@@ -4,8 +4,9 @@ Every rank runs the same sequence::
 
     stage        the state into a reused host slab (the stall: one memory copy, as async_save)
     --- background thread, on the tier's own gloo group ---
-    write        this rank's state.pt into a temporary directory of its node's local_dir
-    agree        every rank's record (size, checksum) to every rank (one all-gather)
+    write        this rank's state.pt into a temporary directory of its run's directory of local_dir
+    agree        every rank's record (size, checksum) to every rank, and rank 0's save id
+                 (time and a random token), which every copy of this save records (one all-gather)
     replicate    each file to its holders on other nodes (shardpoint.tier.replicate);
                  holders hash what they receive and compare it with the owner's record
     mark         a marker into each temporary directory (own copy and replicas held);
@@ -32,6 +33,7 @@ interleave with the trainer's or with the control group's polls (invariant 13).
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -84,7 +86,8 @@ class LocalSaver:
     Args:
         storage, root: this node's ``local_dir``.
         nodes: the job's nodes; ``placement``: owner -> holders (:mod:`~shardpoint.tier.placement`).
-        topology, config: recorded in each copy's marker (the copy is bound to them).
+        topology, config, run: recorded in each copy's marker (the copy is bound to them; ``run`` is
+            the persistent path).
         keep: ``local_keep``.
         group: the gloo group the background thread uses (None in one process).
         incompatible: why a held copy cannot be loaded by this job, or None (for pruning).
@@ -99,13 +102,14 @@ class LocalSaver:
         placement: dict[int, tuple[int, ...]],
         topology: Topology,
         config: dict[str, Any],
+        run: str,
         keep: int,
         group: Any,
         incompatible: Callable[[LocalMarker], str | None],
     ):
         self.storage, self.root, self.nodes, self.placement = storage, root, nodes, placement
         self.topology, self.config, self.keep, self.group = topology, config, keep, group
-        self.incompatible = incompatible
+        self.run, self.incompatible = run, incompatible
         self.format = LocalSnapshotFormat()
         self.staging = HostStaging()  # its own slab: a persistent async save may be in flight beside it
         self.times = LocalTimes()
@@ -175,19 +179,21 @@ class LocalSaver:
         except Exception as exc:  # noqa: BLE001 - every rank must still reach the all-gather below
             error = exc
         self.times.last_write_seconds = time.perf_counter() - began
-        shared = comm.all_gather((None if error else records, _describe(error)), self.group)
-        failed = {r: e for r, (_, e) in enumerate(shared) if e}
+        token = f"{time.time_ns():016x}-{secrets.token_hex(4)}"  # rank 0's names the save
+        shared = comm.all_gather((None if error else records, _describe(error), token), self.group)
+        failed = {r: e for r, (_, e, _) in enumerate(shared) if e}
         if error is not None:
             raise error
         if failed:
             raise CheckpointError(
                 f"local-tier save {iteration} failed on rank(s) {sorted(failed)}: {next(iter(failed.values()))}"
             )
-        all_records: list[dict[str, FileRecord]] = [r for r, _ in shared]
+        all_records: list[dict[str, FileRecord]] = [r for r, _, _ in shared]
+        save_id = shared[0][2]
         held = self._replicate(pending, own_tmp, all_records)
         copies = [(own_tmp, me), *[(tmp, owner) for owner, tmp in held.items()]]
         for tmp, owner in copies:  # still invisible: the names are temporary until every rank agreed
-            mark_copy(self.storage, tmp, self._marker(iteration, owner, all_records[owner], flat))
+            mark_copy(self.storage, tmp, self._marker(iteration, owner, all_records[owner], flat, save_id))
         return copies
 
     def _replicate(self, pending: _Pending, own_tmp: str, records: list[dict[str, FileRecord]]) -> dict[int, str]:
@@ -231,7 +237,9 @@ class LocalSaver:
         pending.tmp_dirs.append(tmp)
         self.storage.makedirs(tmp)
 
-    def _marker(self, iteration: int, owner: int, files: dict[str, FileRecord], flat: FlatState) -> LocalMarker:
+    def _marker(
+        self, iteration: int, owner: int, files: dict[str, FileRecord], flat: FlatState, save_id: str
+    ) -> LocalMarker:
         extra = flat.common.get("extra", {})
         return LocalMarker(
             iteration=iteration,
@@ -244,6 +252,8 @@ class LocalSaver:
             consumed_samples=_number(extra.get("consumed_samples"), int),
             flops=_number(extra.get("flops"), float),
             wall_time=time.time(),
+            run=self.run,
+            save_id=save_id,
         )
 
     # --------------------------------------------------------------- commit

@@ -2,15 +2,18 @@
 
 Construction (collective, every rank in the same order): probe which ranks share
 ``local_dir`` (the nodes), place the replicas, let each node's leader remove what
-interrupted saves left, create the gloo group the background replication uses.
+interrupted saves of this run left and report what other runs keep there (never
+loaded, never deleted: each run has its own directory, named for its persistent
+path), create the gloo group the background replication uses.
 
 Saving: :meth:`LocalTier.is_due` / :meth:`LocalTier.save` / :meth:`LocalTier.poll`
 (:mod:`shardpoint.tier.local_save`). Loading: :meth:`LocalTier.load` asks the
 persistent store for its candidate first, then makes the collective choice
 (:mod:`shardpoint.tier.choose`): the local tier is used when it has an iteration
 newer than the persistent one, complete across all ranks and verified; ranks whose
-files are on another node fetch them (:mod:`shardpoint.tier.fetch`). Otherwise the
-persistent store is loaded as without the tier. Either way each rank logs its tier
+files are on another node fetch them (:mod:`shardpoint.tier.fetch`). A save whose
+copies are damaged or cannot be fetched gives way to the next older one, then to
+the persistent store, and nothing intact is deleted because a newer copy failed. Either way each rank logs its tier
 and source, and :class:`~shardpoint.lifecycle.load_pipeline.LoadResult` records them.
 """
 
@@ -33,7 +36,7 @@ from shardpoint.storage.base import LocalStorage
 from shardpoint.tier.choose import Choice, choose, marker_of
 from shardpoint.tier.fetch import fetch
 from shardpoint.tier.local_save import LocalSaver, LocalTimes
-from shardpoint.tier.marker import LocalMarker, remove_leftovers
+from shardpoint.tier.marker import LocalMarker, other_runs, remove_leftovers, run_dir_name
 from shardpoint.tier.placement import Nodes, nodes_from_domains, place_replicas
 from shardpoint.tier.retention import prune_node
 from shardpoint.tier.snapshot import LocalSnapshotFormat
@@ -77,10 +80,12 @@ class LocalTierOptions:
 class LocalTier:
     """The non-persistent tier of one Checkpointer (collective to construct)."""
 
-    def __init__(self, options: LocalTierOptions, topology: Topology, config: dict[str, Any]):
+    def __init__(self, options: LocalTierOptions, topology: Topology, config: dict[str, Any], run: str):
+        """``run``: the persistent path; this run's copies live in a directory of ``local_dir`` named for it."""
         self.options = options
         self.storage = LocalStorage(options.local_dir)
-        self.root = self.storage.root
+        self.run = comm.broadcast(run, what="naming the local tier's run")  # rank 0's spelling, on every node
+        self.root = self.storage.join(self.storage.root, run_dir_name(self.run))
         self.topology = topology
         self.policy = EveryNSteps(options.local_interval)
         domains = probe_domains(self.storage, self.root) if comm.world_size() > 1 else [(0,)]
@@ -98,7 +103,7 @@ class LocalTier:
             )
         self.placement = place_replicas(self.nodes, self.replicas)
         self.is_leader = comm.rank() == self.nodes.leader(comm.rank())
-        comm.agree(lambda: remove_leftovers(self.storage, self.root) if self.is_leader else None, "cleaning local_dir")
+        comm.agree(lambda: self._clean() if self.is_leader else None, "cleaning local_dir")
         self.saver = LocalSaver(
             self.storage,
             self.root,
@@ -106,6 +111,7 @@ class LocalTier:
             placement=self.placement,
             topology=topology,
             config=config,
+            run=self.run,
             keep=options.local_keep,
             group=comm.new_group(),
             incompatible=self.incompatibility,
@@ -120,6 +126,12 @@ class LocalTier:
                 self.nodes.describe(),
             )
 
+    def _clean(self) -> None:
+        """The node's leader: remove this run's leftovers; say what other runs keep in ``local_dir``."""
+        remove_leftovers(self.storage, self.root)
+        for line in other_runs(self.storage, self.storage.root, self.root):
+            log.warning("local_dir also holds another run's local checkpoints, not loaded, not deleted: %s", line)
+
     @property
     def times(self) -> LocalTimes:
         return self.saver.times
@@ -129,7 +141,9 @@ class LocalTier:
         return self.saver.staging.nbytes
 
     def incompatibility(self, marker: LocalMarker) -> str | None:
-        """Why this job cannot load a copy (another layout, other nodes), or None."""
+        """Why this job cannot load a copy (another run, another layout, other nodes), or None."""
+        if marker.run != self.run:
+            return f"saved by another run ({marker.run or 'unrecorded'}, this run is {self.run})"
         return marker.incompatibility(self.topology.describe(), self.nodes.world_size, self.nodes.sizes)
 
     # ---------------------------------------------------------------- saving
@@ -160,23 +174,30 @@ class LocalTier:
             except CheckpointError as exc:  # raised on every rank alike: every rank takes this branch
                 error = exc
                 log.warning("cannot read the persistent checkpoint (%s); looking in the local tier", exc)
-        choice = choose(
-            self.storage,
-            self.root,
-            self.nodes,
-            self.incompatibility,
-            newer_than=_persistent_iteration(found),
-            exact=opts.iteration,
-            verify=opts.verify,
-        )
-        if choice is not None:
+        tried: list[tuple[int, str]] = []  # saves that failed: kept (a fetch may succeed next time)
+        while True:
+            choice, failed = choose(
+                self.storage,
+                self.root,
+                self.nodes,
+                self.incompatibility,
+                newer_than=_persistent_iteration(found),
+                exact=opts.iteration,
+                verify=opts.verify,
+                skip=tried,
+            )
+            tried += failed
+            if choice is None:
+                break
             result = self._load_choice(state, opts, loader, choice)
             if result is not None:
+                self._forget_newer(choice.iteration, tried)
                 return result
+            tried.append(choice.save)
         if error is not None:
             raise error
         result = loader.run(state, opts) if opts.iteration is not None else loader.run_found(state, opts, found)
-        self._forget_newer(result.iteration if result else 0)
+        self._forget_newer(result.iteration if result else 0, tried)
         if result is not None:
             log.info(
                 "rank %d loaded iteration %d from the persistent store %s", comm.rank(), result.iteration, result.path
@@ -189,7 +210,7 @@ class LocalTier:
         try:
             path = fetch(self.storage, self.root, choice)
         except CheckpointError as exc:  # agreed: raised on every rank
-            log.warning("local tier not used: %s; loading from the persistent store", exc)
+            log.warning("local tier: %s; trying the next older local checkpoint, then the persistent store", exc)
             return None
         mine = choice.sources[comm.rank()]
         tiers = {owner: (s.tier, s.describe()) for owner, s in choice.sources.items()}
@@ -197,19 +218,25 @@ class LocalTier:
         log.info(
             "rank %d loads local-tier iteration %d (non-persistent): %s", comm.rank(), choice.iteration, mine.describe()
         )
-        result = loader.run_opened(state, opts, LocalSnapshotFormat(), self.storage, path, meta, tiers)
-        self._forget_newer(choice.iteration)
-        return result
+        return loader.run_opened(state, opts, LocalSnapshotFormat(), self.storage, path, meta, tiers)
 
-    def _forget_newer(self, iteration: int) -> None:
+    def _forget_newer(self, iteration: int, failed: list[tuple[int, str]]) -> None:
         """Each leader: local copies newer than what was loaded belong to an abandoned future; delete them.
 
-        Copies of other layouts stay: a job at another layout that only loads (an
-        evaluation) must not wipe the training job's tier; the next local save prunes them.
+        Spared: the saves that were tried and failed (``failed``: a damaged copy of one
+        rank, a fetch that a full disk refused; the other copies are intact and the next
+        local commit prunes them), and copies of other layouts (a job at another layout
+        that only loads, an evaluation, must not wipe the training job's tier).
         """
         if self.is_leader:
             prune_node(
-                self.storage, self.root, iteration, self.options.local_keep, self.incompatibility, newer_only=True
+                self.storage,
+                self.root,
+                iteration,
+                self.options.local_keep,
+                self.incompatibility,
+                newer_only=True,
+                spare=set(failed),
             )
 
 

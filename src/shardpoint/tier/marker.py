@@ -3,11 +3,19 @@
 ::
 
     local_dir/
-      local_0000014/                      # a non-persistent checkpoint: never iter_*/global_step*
-        rank_00001/                       # rank 1's files, held by this node (rank 1's own, or a replica)
-          state.pt                        # the rank's snapshot (shardpoint.tier.snapshot)
-          shardpoint-local.json           # the copy's marker, written last ("persistent": false)
-        .shardpoint-tmp-rank_00003-<tok>/ # a copy being written or received: invisible
+      run-persistent-3f2a9c1d/              # one run's copies: named for its persistent path
+        local_0000014/                      # a non-persistent checkpoint: never iter_*/global_step*
+          rank_00001/                       # rank 1's files, held by this node (rank 1's own, or a replica)
+            state.pt                        # the rank's snapshot (shardpoint.tier.snapshot)
+            shardpoint-local.json           # the copy's marker, written last ("persistent": false)
+          .shardpoint-tmp-rank_00003-<tok>/ # a copy being written or received: invisible
+      run-other-0b1c2d3e/                   # another run's: never loaded, never deleted, reported
+
+Each run has its own directory (:func:`run_dir_name`, from the persistent path the
+Checkpointer was given), and each marker records that path and the save it belongs
+to (``save_id``, one per save, the same on every rank's copy): a run never loads,
+prunes or overwrites another run's copies, and one rank's copy of one save is never
+mixed with another rank's copy of another save of the same iteration.
 
 Each copy is committed on its own, as a persistent checkpoint is (marker last, then
 one rename): a directory named ``rank_NNNNN`` with a valid marker is a complete copy,
@@ -24,6 +32,7 @@ and at ``shardpoint.json``; a local copy has neither, and its marker says
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -51,9 +60,11 @@ __all__ = [
     "is_local_tier_dir",
     "iteration_dir",
     "mark_copy",
+    "other_runs",
     "publish_copy",
     "remove_copy",
     "remove_leftovers",
+    "run_dir_name",
     "tmp_copy_dir",
 ]
 
@@ -62,6 +73,42 @@ log = logging.getLogger(__name__)
 LOCAL_MARKER = "shardpoint-local.json"
 _ITERATION = re.compile(r"^local_(\d{7,})$")
 _OWNER = re.compile(r"^rank_(\d{5,})$")
+_RUN = re.compile(r"^run-[A-Za-z0-9._-]{0,40}-[0-9a-f]{8}$")
+
+
+def run_dir_name(run: str) -> str:
+    """The directory of ``local_dir`` that holds the copies of the run whose persistent path is ``run``.
+
+    Readable (the path's last part) and distinct per path (a digest of all of it), so two
+    runs sharing a ``local_dir`` never write into, prune or load each other's copies.
+    """
+    slug = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(run.rstrip("/")))[:40]
+    return f"run-{slug}-{hashlib.sha256(run.encode()).hexdigest()[:8]}"
+
+
+def _copy_roots(storage: Storage, local_dir: str) -> list[str]:
+    """Every directory of ``local_dir`` holding ``local_*`` directories: each run's, and ``local_dir`` itself
+    when copies were saved there before runs had directories of their own."""
+    if not storage.is_dir(local_dir):
+        return []
+    names = storage.listdir(local_dir)
+    roots = [local_dir] if any(is_local_tier_dir(n) for n in names) else []
+    return roots + [storage.join(local_dir, n) for n in sorted(names) if _RUN.match(n)]
+
+
+def other_runs(storage: Storage, local_dir: str, mine: str) -> list[str]:
+    """What ``local_dir`` holds besides the run directory ``mine``: one line per other run (for the log)."""
+    lines = []
+    for root in _copy_roots(storage, local_dir):
+        if os.path.abspath(root) == os.path.abspath(mine):
+            continue
+        copies = held_copies(storage, root)
+        if copies:
+            runs = sorted({c.marker.run for c in copies}) or [""]
+            saved = ", ".join(repr(r) if r else "an unrecorded run" for r in runs)
+            its = sorted({c.iteration for c in copies})
+            lines.append(f"{root}: {len(copies)} copies of iteration(s) {its[:6]} saved by {saved}")
+    return lines
 
 
 def iteration_dir(storage: Storage, root: str, iteration: int) -> str:
@@ -103,6 +150,8 @@ class LocalMarker:
     flops: float | None = None
     wall_time: float = 0.0
     library_version: str = __version__
+    run: str = ""  # the persistent path of the run that saved it ("": written before runs were recorded)
+    save_id: str = ""  # the same on every rank's copy of one save, never on two saves ("": unknown)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -120,6 +169,8 @@ class LocalMarker:
                 "flops": self.flops,
                 "wall_time": self.wall_time,
                 "library_version": self.library_version,
+                "run": self.run,
+                "save_id": self.save_id,
             },
             indent=1,
             sort_keys=True,
@@ -143,6 +194,8 @@ class LocalMarker:
                 flops=data.get("flops"),
                 wall_time=float(data.get("wall_time") or 0.0),
                 library_version=str(data.get("library_version", "")),
+                run=str(data.get("run") or ""),
+                save_id=str(data.get("save_id") or ""),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(
@@ -282,46 +335,54 @@ def remove_leftovers(storage: Storage, root: str) -> list[str]:
     return removed
 
 
-def describe_local_dir(storage: Storage, root: str) -> dict[str, Any]:
+def describe_local_dir(storage: Storage, local_dir: str) -> dict[str, Any]:
     """What one node's ``local_dir`` holds, as plain data (for ``shardpoint inspect``); reads markers only.
 
-    Every row is a non-persistent checkpoint as this node sees it: the ranks whose
-    files it holds (its own ranks' and the replicas it keeps for other nodes).
+    Every row is a non-persistent checkpoint of one run as this node sees it: the ranks
+    whose files it holds (its own ranks' and the replicas it keeps for other nodes).
+    ``local_dir`` may also be one run's directory.
     """
-    rows: dict[int, dict[str, Any]] = {}
-    for c in held_copies(storage, root):
-        row = rows.setdefault(
-            c.iteration,
-            {
-                "name": os.path.basename(os.path.dirname(c.path)),
-                "iteration": c.iteration,
-                "persistent": False,
-                "tier": "local",
-                "ranks_held": [],
-                "world_size": c.marker.world_size,
-                "topology": c.marker.topology,
-                "nodes": len(c.marker.nodes),
-                "bytes": 0,
-                "wall_time": c.marker.wall_time,
-            },
-        )
-        row["ranks_held"].append(c.owner)
-        row["bytes"] += c.marker.total_bytes
+    roots = [local_dir] if _RUN.match(os.path.basename(local_dir.rstrip("/"))) else _copy_roots(storage, local_dir)
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for root in roots:
+        for c in held_copies(storage, root):
+            row = rows.setdefault(
+                (root, c.iteration),
+                {
+                    "name": os.path.relpath(os.path.dirname(c.path), local_dir),
+                    "iteration": c.iteration,
+                    "persistent": False,
+                    "tier": "local",
+                    "run": c.marker.run or None,
+                    "ranks_held": [],
+                    "world_size": c.marker.world_size,
+                    "topology": c.marker.topology,
+                    "nodes": len(c.marker.nodes),
+                    "bytes": 0,
+                    "wall_time": c.marker.wall_time,
+                },
+            )
+            row["ranks_held"].append(c.owner)
+            row["bytes"] += c.marker.total_bytes
     leftovers = [
-        f"{name}/{child}"
-        for name in (storage.listdir(root) if storage.is_dir(root) else [])
+        os.path.relpath(storage.join(root, name, child), local_dir)
+        for root in roots
+        for name in storage.listdir(root)
         if is_local_tier_dir(name) and storage.is_dir(storage.join(root, name))
         for child in storage.listdir(storage.join(root, name))
         if child.startswith((TMP_PREFIX, TRASH_PREFIX))
     ]
     return {
-        "directory": root,
+        "directory": local_dir,
         "persistent": False,
-        "checkpoints": [rows[i] for i in sorted(rows)],
+        "checkpoints": [rows[k] for k in sorted(rows, key=lambda k: (k[1], k[0]))],
         "leftovers": leftovers,
     }
 
 
 def holds_local_tier(storage: Storage, root: str) -> bool:
-    """Whether ``root`` is a local tier's directory (it holds ``local_*`` directories)."""
-    return storage.is_local and storage.is_dir(root) and any(is_local_tier_dir(n) for n in storage.listdir(root))
+    """Whether ``root`` is a local tier's directory (a ``local_dir``, or one run's directory in it)."""
+    if not (storage.is_local and storage.is_dir(root)):
+        return False
+    names = storage.listdir(root)
+    return any(is_local_tier_dir(n) for n in names) or any(_RUN.match(n) for n in names)

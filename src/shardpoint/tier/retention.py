@@ -4,22 +4,25 @@ After each local commit, the node's leader deletes from its ``local_dir`` every
 committed copy that (after a load, only the first rule applies):
 
 - belongs to an iteration newer than the one just committed or loaded: a future
-  that training abandoned (a restart from an older checkpoint); kept, it could mix
-  with the copies the new timeline writes under the same iteration;
+  that training abandoned (a restart from an older checkpoint); after a load, the
+  saves that were tried and failed are spared (their intact copies are only pruned
+  by the next commit, never because one copy was damaged);
 - was saved at another layout (the tier is bound to its layout, nothing could load it);
 - is not among the ``local_keep`` newest remaining iterations (the newest is always kept).
 
-Only committed copies are deleted, never a directory being written (another rank of
-the node may already be writing the next save), and each one stops being a copy in
-one rename before its bytes go (:func:`~shardpoint.tier.marker.remove_copy`). The
-rules are :func:`stale_copies`, pure; a failed deletion only warns, as persistent
-retention does. Persistent checkpoints are never looked at: they are another tier.
+Only committed copies of this run are deleted (the run's own directory of
+``local_dir``; other runs' are never looked at), never a directory being written
+(another rank of the node may already be writing the next save), and each one stops
+being a copy in one rename before its bytes go
+(:func:`~shardpoint.tier.marker.remove_copy`). The rules are :func:`stale_copies`,
+pure; a failed deletion only warns, as persistent retention does. Persistent
+checkpoints are never looked at: they are another tier.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from shardpoint.lifecycle.policy import CheckpointInfo, LatestN, select_for_deletion
 from shardpoint.storage.base import Storage
@@ -36,10 +39,16 @@ def stale_copies(
     keep: int,
     incompatible: Callable[[LocalMarker], str | None],
     newer_only: bool = False,
+    spare: Collection[tuple[int, str]] = (),
 ) -> list[HeldCopy]:
-    """The copies to delete once ``latest`` is committed (or, ``newer_only``, loaded: only the abandoned future)."""
+    """The copies to delete once ``latest`` is committed (or, ``newer_only``, loaded: only the abandoned future,
+    less the saves ``(iteration, save_id)`` in ``spare``)."""
     if newer_only:
-        return [c for c in copies if c.iteration > latest and incompatible(c.marker) is None]
+        return [
+            c
+            for c in copies
+            if c.iteration > latest and incompatible(c.marker) is None and (c.iteration, c.marker.save_id) not in spare
+        ]
     usable = [c for c in copies if c.iteration <= latest and incompatible(c.marker) is None]
     infos = [CheckpointInfo(i) for i in sorted({c.iteration for c in usable})]
     doomed = set(select_for_deletion(infos, [LatestN(keep)], {latest}))
@@ -53,11 +62,12 @@ def prune_node(
     keep: int,
     incompatible: Callable[[LocalMarker], str | None],
     newer_only: bool = False,
+    spare: Collection[tuple[int, str]] = (),
 ) -> list[str]:
     """The node's leader: delete the stale copies under ``root``; returns their paths."""
     removed = []
     try:
-        for copy in stale_copies(held_copies(storage, root), latest, keep, incompatible, newer_only):
+        for copy in stale_copies(held_copies(storage, root), latest, keep, incompatible, newer_only, spare):
             remove_copy(storage, copy.path)
             removed.append(copy.path)
     except OSError as exc:
