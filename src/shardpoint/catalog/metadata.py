@@ -66,9 +66,9 @@ class CheckpointMetadata:
         """Parse and validate; every problem is a CorruptCheckpointError naming ``where``."""
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise CorruptCheckpointError(
-                f"{where} is not valid JSON ({exc}); the checkpoint's marker is damaged: "
+                f"{where} is not valid JSON ({type(exc).__name__}: {exc}); the checkpoint's marker is damaged: "
                 "load another iteration, or restore the file from a copy"
             ) from None
         if not isinstance(data, dict):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from shardpoint.catalog.untrusted_json import check_member_name, read_json_object
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["CONFIG", "INDEX", "WEIGHTS", "parse_size", "read_hf_dir", "write_hf_dir"]
@@ -131,15 +132,11 @@ def write_hf_dir(
 
 def _read_json(path: str, what: str) -> dict[str, Any]:
     try:
-        with open(path) as f:
-            value = json.load(f)
+        return read_json_object(path, what)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing; a Hugging Face model directory has {what}") from None
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{path} is damaged: not readable JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise CorruptCheckpointError(f"{path} is damaged: it holds {type(value).__name__}, not a JSON object")
-    return value
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path} is damaged: not readable ({exc})") from None
 
 
 def _weight_files(directory: str) -> dict[str, list[str] | None]:
@@ -151,7 +148,7 @@ def _weight_files(directory: str) -> dict[str, list[str] | None]:
             raise CorruptCheckpointError(f"{index} is damaged: it has no weight_map")
         files: dict[str, list[str] | None] = {}
         for tensor, file in weight_map.items():
-            files.setdefault(str(file), []).append(tensor)  # type: ignore[union-attr]
+            files.setdefault(check_member_name(file, index), []).append(tensor)  # type: ignore[union-attr]
         return files
     if os.path.exists(os.path.join(directory, WEIGHTS)):
         return {WEIGHTS: None}

@@ -212,6 +212,11 @@ def _stage_names(params: Mapping[str, torch.Tensor], args: Any, pp: int, where: 
     stages: list[list[str]] = [[] for _ in range(pp)]
     for name in params:
         match = _LAYER.match(name)
+        if match and int(match.group(1)) >= layers:
+            raise CorruptCheckpointError(
+                f"{where}: the checkpoint holds {name}, but its args say num_layers={layers}; the args and the "
+                f"weights disagree{_NO_HINT}"
+            )
         if match:
             stages[int(match.group(1)) // per_stage].append(name)
         elif name.startswith("embedding."):
@@ -271,8 +276,7 @@ def _rank_moments(
         label = f"{where} (dp_group_idx_{group}.gbuf_idx_{gbuf}, dtype ({dtype}))"
         param_dtype = dtype.split(",")[0].strip()
         members = [n for n in names if str(local[n].dtype) == param_dtype]
-        count = sum(1 for key in buckets if key[:3] == (group, gbuf, dtype))
-        tensors = [buckets[(group, gbuf, dtype, b)] for b in range(count)]
+        tensors = _gbuf_buckets(label, buckets, (group, gbuf, dtype))
         sizes = [int(t["param"].numel()) for t in tensors]
         _check_recorded(label, recorded, gbuf, sizes)
         offsets = _bucket_offsets(label, members, {n: local[n].numel() for n in members}, sizes)
@@ -291,6 +295,21 @@ def _rank_moments(
     if missing:
         raise CorruptCheckpointError(f"{where}: no grad buffer of dp_group_idx_{group} holds {missing[:3]}")
     return result
+
+
+def _gbuf_buckets(label: str, buckets: Mapping[tuple, dict[str, torch.Tensor]], gbuf: tuple) -> list[dict]:
+    """One grad buffer's buckets in order: indices 0..n-1 with no gap, each holding ``param``."""
+    found = sorted(key[3] for key in buckets if key[:3] == gbuf)
+    if found != list(range(len(found))):
+        missing = sorted(set(range(found[-1] + 1)) - set(found))
+        raise CorruptCheckpointError(
+            f"{label}: bucket indices {found} have gaps (no bucket_idx_{missing[0]}); the checkpoint is incomplete"
+        )
+    tensors = [buckets[(*gbuf, b)] for b in found]
+    for b, entry in enumerate(tensors):
+        if "param" not in entry:
+            raise CorruptCheckpointError(f"{label}: bucket_idx_{b} has {sorted(entry)} but no param; it is incomplete")
+    return tensors
 
 
 def _check_recorded(label: str, recorded: Any, gbuf: int, sizes: list[int]) -> None:

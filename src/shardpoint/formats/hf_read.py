@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shardpoint.catalog.untrusted_json import check_json_size
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.formats.safetensors_index import INDEX_NAME, SINGLE_NAME, RangeReader, StoredTensor, parse_index
 from shardpoint.parallel import comm
@@ -92,6 +93,7 @@ def read_index(reader: RangeReader, single: str) -> dict[str, str] | None:
     storage, directory = reader.storage, reader.directory
     if single == SINGLE_NAME and storage.exists(reader.path(INDEX_NAME)) and not storage.exists(reader.path(single)):
         size = reader.size(INDEX_NAME)
+        check_json_size(size, reader.path(INDEX_NAME), "safetensors index")
         return parse_index(reader.read_bytes(INDEX_NAME, 0, size), reader.path(INDEX_NAME))
     if storage.exists(reader.path(single)):
         return None

@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from shardpoint.catalog.untrusted_json import check_member_name, parse_json_object
 from shardpoint.errors import CorruptCheckpointError, StorageError
 from shardpoint.storage.base import Storage
 from shardpoint.storage.s3 import S3Storage
@@ -132,19 +133,13 @@ def parse_header(raw: bytes, name: str, file_size: int, where: str | None = None
         CorruptCheckpointError: naming ``name`` and what is wrong with it.
     """
     data_start, file, name = 8 + len(raw), name, where or name
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(
-            f"{name}: the safetensors header is not valid JSON ({exc}); the file is damaged"
-        ) from None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{name}: the safetensors header is not a JSON object; the file is damaged")
+    header = parse_json_object(raw, name, "safetensors header")
     tensors = {
         key: _entry(file, name, key, value, data_start) for key, value in header.items() if key != "__metadata__"
     }
     end = data_start
-    for key, tensor in sorted(tensors.items(), key=lambda kv: kv[1].start):
+    # by (start, end): a zero-size tensor may share its start with the next one (safetensors accepts that)
+    for key, tensor in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].start + kv[1].nbytes)):
         if tensor.start < end:
             raise CorruptCheckpointError(f"{name}: tensor {key!r} overlaps the one before it; the header is damaged")
         end = tensor.start + tensor.nbytes
@@ -177,16 +172,17 @@ def _entry(file: str, name: str, key: str, value: Any, data_start: int) -> Store
 
 
 def parse_index(raw: bytes, name: str) -> dict[str, str]:
-    """``{tensor name: file name}`` from a ``model.safetensors.index.json``."""
-    try:
-        weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise TypeError("weight_map is not an object of file names")
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{name} is not a valid safetensors index ({exc}); the file is damaged") from None
-    for file in set(weight_map.values()):
-        if "/" in file or "\\" in file or file.startswith("."):
-            raise CorruptCheckpointError(f"{name} names file {file!r} outside its directory; refusing to read it")
+    """``{tensor name: file name}`` from a ``model.safetensors.index.json``.
+
+    Raises:
+        CorruptCheckpointError: not a JSON object with a ``weight_map`` of file names inside the
+            index's own directory (``""``, NUL, absolute paths and ``..`` are refused by name).
+    """
+    weight_map = parse_json_object(raw, name, "safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"{name} is not a valid safetensors index (no weight_map object); it is damaged")
+    for file in weight_map.values():
+        check_member_name(file, name)
     return weight_map
 
 

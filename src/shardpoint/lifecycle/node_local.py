@@ -110,7 +110,7 @@ class NodeMarker:
             files = {str(k): FileRecord(int(v["size"]), str(v["xxh3_64"])) for k, v in data["files"].items()}
             world = int(data["world_size"])
             checkpoint = data["checkpoint"]
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(f"{where} is not a valid node marker ({exc}); delete that directory") from None
         return cls(ranks, world, files, CheckpointMetadata.from_json(json.dumps(checkpoint), where))
 

@@ -197,7 +197,7 @@ class LocalMarker:
                 run=str(data.get("run") or ""),
                 save_id=str(data.get("save_id") or ""),
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(
                 f"{where} is not a valid local-tier marker ({exc}); delete its directory (it is non-persistent)"
             ) from None
