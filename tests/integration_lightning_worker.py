@@ -10,6 +10,8 @@ the test compares to ``WORKDIR/<scenario>.pt``. Scenarios:
 * ``mp-save``: ``ModelParallelStrategy(2, 1)`` with ``fully_shard`` trains 6 steps, validating each
   epoch for a top-2 ``ModelCheckpoint(monitor="val_loss")``.
 * ``mp-resume``: the same at one rank resumes from ``last`` (no steps left to train).
+* ``ddp-one-rank-refuses``: rank 1 alone adds an object to the checkpoint dict; every
+  rank's error and the seconds the save took go to the result.
 
 The data has 2 batches per rank and epoch and ``every_n_train_steps=2``, so every
 checkpoint falls on an epoch's last batch: Lightning replays a plain ``DataLoader``'s
@@ -70,6 +72,16 @@ class Tiny(pl.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+class RefusedOnRank1(Tiny):
+    """Adds what ``torch.load(weights_only=True)`` cannot read, on rank 1 only."""
+
+    def on_save_checkpoint(self, checkpoint):
+        if self.global_rank == 1:
+            import argparse
+
+            checkpoint["cfg"] = argparse.Namespace(depth=2)
 
 
 class KillAt(Callback):
@@ -188,6 +200,16 @@ def main(scenario: str, work: Path) -> None:
     if scenario == "mp-resume":
         t = trainer(work / "M", ModelParallelStrategy(1, 1), 1, 6)
         result["loaded"] = full_state(t, fit(t, ckpt_path="last"))
+    if scenario == "ddp-one-rank-refuses":
+        started = time.monotonic()
+        try:
+            trainer(work / "R", "ddp", 2, 2).fit(RefusedOnRank1(), train_dataloaders=data())
+            error = "no error"
+        except Exception as exc:  # noqa: BLE001 - what the test checks
+            error = f"{type(exc).__name__}: {exc}"
+        result["seconds"] = time.monotonic() - started
+        result["errors"] = [None, None]
+        torch.distributed.all_gather_object(result["errors"], error)
     if rank == 0:
         torch.save(result, work / f"{scenario}.pt")
     if torch.distributed.is_initialized():

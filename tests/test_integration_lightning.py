@@ -189,6 +189,15 @@ def test_objects_outside_the_tensors_are_refused_before_anything_is_written(tmp_
     assert not [p for p in tmp_path.iterdir() if p.name not in (".shardpoint.lock",)]
 
 
+def test_a_dict_refused_on_one_rank_only_fails_every_rank_at_once(tmp_path):
+    result = run_worker("ddp-one-rank-refuses", tmp_path)
+    own, peer = result["errors"][1], result["errors"][0]
+    assert own.startswith("CheckpointError") and "on rank 1" in own and "argparse.Namespace" in own, own
+    assert peer.startswith("CheckpointError") and "rank 1" in peer, peer  # not left in the collective save
+    assert result["seconds"] < 120  # far below the control group's timeout, which a hang would reach
+    assert not [p for p in (tmp_path / "R" / "ckpt").glob("*") if not p.name.startswith(".")]
+
+
 def test_what_lightning_decides_and_what_the_plugin_cannot_serve_are_refused(tmp_path):
     from shardpoint.integrations.lightning import ShardpointCheckpointIO
 

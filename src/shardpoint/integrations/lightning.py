@@ -164,9 +164,9 @@ class ShardpointCheckpointIO(CheckpointIO):
             raise TypeError("ShardpointCheckpointIO.save_checkpoint(..., storage_options=...) is not supported")
         strategy = self._connected()
         path = comm.broadcast(os.fspath(path))  # rank 0's path on every rank, as ModelParallelStrategy does
-        # a copy: Lightning goes on changing some of it (ModelCheckpoint's best_k_models) while an async save writes
-        extra = copy.deepcopy({k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS})
-        _check_plain(extra, "checkpoint")
+        # every rank checks its own dict, then all agree (one small all-gather): a dict refused on one
+        # rank only must not leave the others waiting in the collective save
+        extra = comm.agree(lambda: _saved_extra(checkpoint, path), f"checking the checkpoint dict for {path}")
         state = self._train_state(strategy, with_optimizer="optimizer_states" in checkpoint)
         state.extra = extra
         self._checkpointer(path).save(int(checkpoint["global_step"]), state)
@@ -366,6 +366,19 @@ def _check_strategy(strategy: Strategy) -> None:
             f"ShardpointCheckpointIO does not support DDP started with {start!r} (ddp_spawn, ddp_notebook): "
             "that launcher moves the weights back through the CheckpointIO on one rank; use strategy='ddp'"
         )
+
+
+def _saved_extra(checkpoint: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """What of Lightning's dict is saved besides the tensors, checked on this rank (see :func:`_check_plain`).
+
+    A copy: Lightning goes on changing some of it (ModelCheckpoint's best_k_models) while an async save writes.
+    """
+    extra = copy.deepcopy({k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS})
+    try:
+        _check_plain(extra, "checkpoint")
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: on rank {comm.rank()}, {exc}") from None
+    return extra
 
 
 def _split(path: str) -> tuple[str, str]:
