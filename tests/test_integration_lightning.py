@@ -115,6 +115,12 @@ def test_model_parallel_fsdp2_at_2_ranks_resumes_at_1_rank_with_identical_full_s
     assert checkpoints(topk) == {Path(p).name for p in saved["topk"]}
     assert sorted(p.name for p in topk.glob(".*.latest")) == sorted(f".{Path(p).name}.latest" for p in saved["topk"])
 
+    # inference from the sharded checkpoint, in this process, the way Lightning users load a trained model
+    from tests.integration_lightning_worker import Tiny
+
+    model = Tiny.load_from_checkpoint(tmp_path / "M" / "ckpt" / "last.ckpt")  # a directory (IsADirectoryError before)
+    assert_same(model.state_dict(), saved["weights"], "weights at full size")
+
 
 def _lightning_mesh_topologies(rank: int, world: int) -> list[tuple[int, int, int, int]]:
     from torch.distributed.device_mesh import init_device_mesh
@@ -174,6 +180,22 @@ def test_one_device_resumes_from_an_explicit_path(tmp_path):
     assert resumed.global_step == 2
     assert_same(model.state_dict(), trained.state_dict(), "weights")
     assert_same(resumed.optimizers[0].state_dict(), trainer.optimizers[0].state_dict(), "optimizer")
+
+
+def test_load_from_checkpoint_reads_weights_and_hyperparameters(tmp_path):
+    from shardpoint.errors import CheckpointNotFoundError
+    from shardpoint.integrations.lightning import load_checkpoint_dict
+    from tests.integration_lightning_worker import Tiny, data
+
+    trained = Tiny(lr=0.02)
+    single_device_trainer(tmp_path, 2).fit(trained, train_dataloaders=data())
+    model = Tiny.load_from_checkpoint(tmp_path / "last.ckpt")
+    assert model.hparams.lr == 0.02  # from the checkpoint, not Tiny's default 0.05
+    assert_same(model.state_dict(), trained.state_dict(), "weights")
+    checkpoint = load_checkpoint_dict(tmp_path / "last.ckpt", map_location="cpu")
+    assert checkpoint["global_step"] == 2 and checkpoint["hyper_parameters"]["lr"] == 0.02
+    with pytest.raises(CheckpointNotFoundError, match="no committed shardpoint checkpoint"):
+        load_checkpoint_dict(tmp_path / "nothing.ckpt")
 
 
 def test_objects_outside_the_tensors_are_refused_before_anything_is_written(tmp_path):

@@ -58,6 +58,11 @@ launcher calls the CheckpointIO on one rank to move weights), ``ModelParallelStr
 and single-device strategies; ``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused.
 An ``on_load_checkpoint`` hook that edits ``checkpoint["state_dict"]`` changes nothing,
 since the weights are already loaded (as under ``ModelParallelStrategy``).
+
+**Inference and fine-tuning:** ``MyModel.load_from_checkpoint("runs/ckpt/last.ckpt")`` works
+on a checkpoint directory once this module is imported (weights at full size and the
+hyperparameters; see :mod:`shardpoint.integrations.lightning_load`), or call
+:func:`load_checkpoint_dict` for the dict itself.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ from shardpoint.catalog.layout import named
 from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.checkpointer import Checkpointer
 from shardpoint.errors import CheckpointError
+from shardpoint.integrations.lightning_load import install_load_hook, load_checkpoint_dict
 from shardpoint.lifecycle import commit
 from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
@@ -91,7 +97,7 @@ from shardpoint.state.sharding import is_dtensor
 from shardpoint.state.train_state import TrainState
 from shardpoint.storage.base import open_storage
 
-__all__ = ["ShardpointCheckpointIO"]
+__all__ = ["ShardpointCheckpointIO", "load_checkpoint_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -427,3 +433,6 @@ def _not_a_checkpoint(path: str) -> CheckpointError:
         f"{target} holds no committed shardpoint checkpoint (no {MARKER_NAME}: missing, or its save did not "
         "finish); pass another ckpt_path"
     )
+
+
+install_load_hook()  # Model.load_from_checkpoint(shardpoint directory): see lightning_load

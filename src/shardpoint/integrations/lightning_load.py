@@ -1,0 +1,85 @@
+"""``Model.load_from_checkpoint(path)`` for checkpoints :class:`ShardpointCheckpointIO` saved.
+
+It is how Lightning users take a trained model to inference or fine-tuning, with no
+Trainer and usually one process. Lightning reads the file with
+``lightning.pytorch.core.saving.pl_load`` (``torch.load`` of a ``.ckpt`` file), which a
+checkpoint *directory* defeats with ``IsADirectoryError``. Importing
+``shardpoint.integrations.lightning`` therefore wraps that one function: a directory
+holding ``shardpoint.json`` is read by :func:`load_checkpoint_dict`, everything else still
+by Lightning. ``load_checkpoint_dict`` is also the documented way to get the dict without
+Lightning's classmethod.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch.core import saving
+
+from shardpoint.catalog.metadata import MARKER_NAME
+from shardpoint.errors import CheckpointNotFoundError
+from shardpoint.offline import read_full
+from shardpoint.state.train_state import MODEL_PREFIX
+from shardpoint.storage.base import open_storage
+
+__all__ = ["install_load_hook", "is_shardpoint_checkpoint", "load_checkpoint_dict"]
+
+
+def load_checkpoint_dict(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
+    """Lightning's checkpoint dict of a shardpoint checkpoint, in one process, whole tensors.
+
+    ``state_dict`` holds every weight at full size, however many ranks saved it and
+    however they were sharded; the rest is what Lightning saved besides (``hyper_parameters``,
+    ``epoch``, ``global_step``, ``callbacks``, ...). Checksums are verified first and nothing
+    is unpickled. The optimizer state is not read (``load_from_checkpoint`` does not use it).
+
+    Args:
+        path: a checkpoint directory ShardpointCheckpointIO saved (``.../last.ckpt``), local or ``s3://``.
+        map_location: a device (or its name) to put the weights on; other forms (Lightning's
+            default function, a dict) leave them on the CPU.
+
+    Raises:
+        CheckpointNotFoundError: no shardpoint checkpoint at ``path``.
+        CorruptCheckpointError: a file is damaged (named in the message).
+
+    Example:
+        >>> model = MyModel.load_from_checkpoint("runs/ckpt/last.ckpt")  # calls this, through Lightning
+    """
+    path = os.fspath(path)
+    if not is_shardpoint_checkpoint(path):
+        raise CheckpointNotFoundError(
+            f"{path} holds no committed shardpoint checkpoint (no {MARKER_NAME}); pass a checkpoint directory "
+            "that ShardpointCheckpointIO saved"
+        )
+    full = read_full(path)
+    device = map_location if isinstance(map_location, (str, torch.device)) else None
+    weights = {
+        key.removeprefix(MODEL_PREFIX): tensor if device is None else tensor.to(device)
+        for key, tensor in full.tensors.items()
+        if key.startswith(MODEL_PREFIX)
+    }
+    return {**full.common.get("extra", {}), "state_dict": weights}
+
+
+def is_shardpoint_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a committed shardpoint checkpoint directory (its marker is there)."""
+    if "://" in path:
+        return path.startswith("s3://") and open_storage(path).exists(path.rstrip("/") + "/" + MARKER_NAME)
+    return os.path.isfile(os.path.join(path, MARKER_NAME))
+
+
+def install_load_hook() -> None:
+    """Make ``pl_load`` (what ``load_from_checkpoint`` calls) read shardpoint checkpoints; idempotent."""
+    original = saving.pl_load
+    if getattr(original, "shardpoint_load", False):
+        return
+
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and is_shardpoint_checkpoint(os.fspath(path_or_url)):
+            return load_checkpoint_dict(path_or_url, map_location=map_location)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load.shardpoint_load = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load
