@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from shardpoint.catalog.layout import Layout, get_layout
@@ -33,7 +33,7 @@ from shardpoint.formats import get_format
 from shardpoint.lifecycle.discovery import LoadSources
 from shardpoint.lifecycle.load_pipeline import LoadOptions, LoadPipeline, LoadResult
 from shardpoint.lifecycle.node_local import detect as detect_nodes
-from shardpoint.lifecycle.policy import preservation_policies, save_decision
+from shardpoint.lifecycle.policy import PreservationPolicy, preservation_policies, save_decision
 from shardpoint.lifecycle.save_pipeline import VALIDATION_FILE, SavePipeline
 from shardpoint.lifecycle.upload import RemoteMirror
 from shardpoint.parallel import comm, deadline
@@ -68,6 +68,9 @@ class Checkpointer:
         keep_last: keep the newest N checkpoints (None keeps all).
         keep_every: also keep every checkpoint whose iteration is a multiple of K.
         keep_best: also keep the N best by a metric: ``(N, "val_loss", "min")``.
+        keep: further retention policies (``should_preserve(checkpoints) -> set of iterations``),
+            alongside ``keep_*``: a checkpoint any policy keeps survives. Integrations use it
+            to apply a framework's own rule (the Trainer's ``save_total_limit``).
         async_save: copy the state to host memory and write it in the background
             (``dist`` format); see :mod:`shardpoint.lifecycle.async_save`.
         config: the model's defining arguments, stored as JSON and compared on load.
@@ -117,6 +120,7 @@ class Checkpointer:
         keep_last: int | None = None,
         keep_every: int | None = None,
         keep_best: tuple[int, str, str] | None = None,
+        keep: Sequence[PreservationPolicy] = (),
         async_save: bool = False,
         config: Mapping[str, Any] | None = None,
         allow_config_mismatch: Iterable[str] = (),
@@ -144,7 +148,7 @@ class Checkpointer:
         self.layout: Layout = get_layout(layout)
         self._time_based = save_interval_minutes is not None
         self.save_policy = save_decision(save_interval, save_interval_minutes)
-        self.preservation = preservation_policies(keep_last, keep_every, keep_best)
+        self.preservation = [*preservation_policies(keep_last, keep_every, keep_best), *keep]
         self.config = _json_config(config)
         self.verify = verify
         self.async_save = async_save

@@ -12,10 +12,10 @@ protocol), ``get_last_checkpoint`` still finds it, and another layout can resume
 Where it hooks in (transformers 5.x), and why there:
 
 * ``_save_checkpoint`` is replaced whole: a ``TrainerCallback.on_save`` runs only after
-  the stock save has written its files. Retention is the Checkpointer's:
-  ``save_total_limit`` becomes ``keep_last`` and ``metric_for_best_model`` becomes
-  ``keep_best=(1, "eval_<metric>", mode)``, so transformers' ``rotate_checkpoints`` is
-  never called.
+  the stock save has written its files. Retention is the Trainer's own rule
+  (``save_total_limit``, the newest and ``state.best_model_checkpoint`` protected: see
+  :mod:`shardpoint.integrations.trainer_retention`), applied by the Checkpointer after each
+  commit, so transformers' ``rotate_checkpoints`` (a plain ``rmtree``) is never called.
 * ``_load_optimizer_and_scheduler`` is the first step of a resume at which the model,
   the optimizer and the scheduler all exist (after ``accelerator.prepare``): the one
   load happens there; ``_load_from_checkpoint`` and ``_load_scaler`` have nothing left to do.
@@ -33,10 +33,8 @@ Differences from the stock ``Trainer``, each for a reason:
 
 * checkpoints hold no ``model.safetensors``: the weights are in the sharded files;
   ``trainer.save_model()`` (unchanged) writes the Hugging Face model;
-* with ``save_total_limit`` and a best metric, the best checkpoint is kept beside the
-  newest ``save_total_limit - 1`` ones, as transformers documents it; at the end of
-  training the newest checkpoint is not deleted when ``save_total_limit=1``: it is the
-  one the tracker names, the resume point;
+* at the end of training the newest checkpoint is not deleted when ``save_total_limit=1``
+  and another one is the best: it is the one the tracker names, the resume point;
 * a model sharded at load time (``from_pretrained(distributed_config=...)``:
   transformers' own FSDP2 or tensor parallelism) can be checkpointed and resumed,
   which the stock Trainer refuses;
@@ -59,6 +57,7 @@ from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
 from shardpoint.catalog.layout import get_layout
 from shardpoint.checkpointer import Checkpointer
 from shardpoint.integrations import _hf_common as common
+from shardpoint.integrations.trainer_retention import TrainerRetention
 from shardpoint.parallel.topology import Topology
 from shardpoint.state import rng
 from shardpoint.state.train_state import TrainState
@@ -78,9 +77,10 @@ class ShardpointTrainer(Trainer):
         *args, **kwargs: what ``transformers.Trainer`` takes.
         checkpointer_options: keyword arguments of :class:`shardpoint.Checkpointer`
             (``async_save``, ``upload_to``, ``keep_best``, ``keep_every``, ``config``, ...).
-            ``keep_last`` defaults from ``save_total_limit``, ``keep_best`` from
-            ``metric_for_best_model``, ``topology`` from the job; ``layout`` and the save
-            intervals are the Trainer's (``save_steps``).
+            Without a ``keep_*`` option, retention is the Trainer's own (``save_total_limit``,
+            the newest and the best protected); with one, shardpoint's policies decide alone.
+            ``topology`` comes from the job; ``layout`` and the save intervals are the
+            Trainer's (``save_steps``).
 
     Example:
         >>> trainer = ShardpointTrainer(model=model, args=args, train_dataset=ds,
@@ -92,6 +92,7 @@ class ShardpointTrainer(Trainer):
         self.checkpointer_options = common.checked_options(checkpointer_options, "ShardpointTrainer")
         self._checkpointers: dict[str, Checkpointer] = {}
         self._rng_after_load: dict[str, Any] | None = None
+        self._retention = TrainerRetention(limit=None)  # read by every Checkpointer's retention
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         model = kwargs.get("model", args[0] if args else None)
         # The stock Trainer refuses to checkpoint a model sharded at load time, since its own
@@ -159,6 +160,8 @@ class ShardpointTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         step = self.state.global_step
         self._update_best_checkpoint(run_dir, step)
+        self._retention.limit = self.args.save_total_limit
+        self._retention.best = self._best_step(run_dir)
         files = None
         if self.args.process_index == 0:
             self._export_callback_states()
@@ -167,7 +170,7 @@ class ShardpointTrainer(Trainer):
         self._checkpointer(run_dir).save(step, state, metrics=self._metrics_at(step), files=files)
 
     def _rotate_checkpoints(self, use_mtime: bool = False, output_dir: str | None = None) -> None:
-        """Nothing: retention is the Checkpointer's (``keep_last`` / ``keep_best``), applied after each commit."""
+        """Nothing: retention is the Checkpointer's (:class:`TrainerRetention`), applied after each commit."""
 
     def _update_best_checkpoint(self, run_dir: str, step: int) -> None:
         """``state.best_model_checkpoint`` as the stock save sets it, before ``trainer_state.json`` is written."""
@@ -177,6 +180,13 @@ class ShardpointTrainer(Trainer):
             directory = os.path.join(run_dir, LAYOUT.dir_name(best))
             if best == step or os.path.isdir(directory):
                 self.state.best_model_checkpoint = directory
+
+    def _best_step(self, run_dir: str) -> int | None:
+        """The step of ``state.best_model_checkpoint`` when it is a checkpoint of ``run_dir`` (the Trainer's record)."""
+        best = self.state.best_model_checkpoint
+        if not best or os.path.dirname(os.path.abspath(best)) != os.path.abspath(run_dir):
+            return None
+        return LAYOUT.parse_dir_name(os.path.basename(best))
 
     def _export_callback_states(self) -> None:
         """Stateful callbacks and ``TrainerControl`` into ``state.stateful_callbacks``, as the stock save does."""
@@ -198,7 +208,10 @@ class ShardpointTrainer(Trainer):
                 return f.read()
 
     def _metrics_at(self, step: int) -> dict[str, float]:
-        """The best-model metric evaluated at ``step``, for ``keep_best`` (empty without one)."""
+        """The best-model metric evaluated at ``step``, recorded in the marker (``inspect``, a user's ``keep_best``).
+
+        Which checkpoint is best is not decided from it: that is ``state.best_model_checkpoint``.
+        """
         key = self._best_metric_key()
         if key is None:
             return {}
@@ -299,14 +312,14 @@ class ShardpointTrainer(Trainer):
         return self._checkpointers[root]
 
     def _save_options(self) -> dict[str, Any]:
-        """``checkpointer_options`` completed with the Trainer's retention arguments."""
+        """``checkpointer_options``, with the Trainer's own retention rule unless they choose one.
+
+        Given any ``keep_*`` option, shardpoint's policies decide alone; otherwise
+        :class:`TrainerRetention` applies ``save_total_limit`` as ``rotate_checkpoints`` does.
+        """
         options = {k: v for k, v in self.checkpointer_options.items() if k != "topology"}
-        best_key = self._best_metric_key()
-        limit = self.args.save_total_limit
-        if "keep_last" not in options and limit is not None and limit > 0:
-            options["keep_last"] = max(limit - 1, 1) if best_key else limit
-        if "keep_best" not in options and best_key:
-            options["keep_best"] = (1, best_key, "max" if self.args.greater_is_better else "min")
+        if not any(k in options for k in ("keep_last", "keep_every", "keep_best", "keep")):
+            options["keep"] = [self._retention]
         return options
 
     def _load_options(self) -> dict[str, Any]:
