@@ -198,6 +198,27 @@ def test_load_from_checkpoint_reads_weights_and_hyperparameters(tmp_path):
         load_checkpoint_dict(tmp_path / "nothing.ckpt")
 
 
+def test_a_missing_ckpt_path_is_file_not_found_as_lightning_raises_it(tmp_path):
+    from tests.integration_lightning_worker import Tiny, data
+
+    missing = tmp_path / "run" / "epoch=9-step=99.ckpt"
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: .*epoch=9-step=99\.ckpt"):
+        single_device_trainer(tmp_path / "out", 2).fit(Tiny(), train_dataloaders=data(), ckpt_path=missing)
+    assert not (tmp_path / "run").exists()  # nothing created where the user pointed
+
+
+def test_a_save_outside_fit_lets_go_of_the_directory(tmp_path):
+    from tests.integration_lightning_worker import Tiny, data
+
+    first = single_device_trainer(tmp_path, 2)
+    first.fit(Tiny(), train_dataloaders=data())
+    first.save_checkpoint(tmp_path / "manual.ckpt")  # outside fit: nothing else would release its lock
+    assert marker(tmp_path / "manual.ckpt")["iteration"] == 2
+    second = single_device_trainer(tmp_path, 4)  # the same directory, the same process
+    second.fit(Tiny(), train_dataloaders=data())
+    assert marker(tmp_path / "last-v1.ckpt")["iteration"] == 4  # Lightning versions the name it found taken
+
+
 def test_objects_outside_the_tensors_are_refused_before_anything_is_written(tmp_path):
     import shardpoint as sp
     from tests.integration_lightning_worker import Tiny, data

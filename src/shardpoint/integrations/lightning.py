@@ -84,11 +84,12 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     Strategy,
 )
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from shardpoint.catalog.layout import named
 from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.checkpointer import Checkpointer
-from shardpoint.errors import CheckpointError
+from shardpoint.errors import CheckpointError, CheckpointNotFoundError
 from shardpoint.integrations.lightning_load import install_load_hook, load_checkpoint_dict
 from shardpoint.lifecycle import commit
 from shardpoint.parallel import comm
@@ -176,6 +177,8 @@ class ShardpointCheckpointIO(CheckpointIO):
         state = self._train_state(strategy, with_optimizer="optimizer_states" in checkpoint)
         state.extra = extra
         self._checkpointer(path).save(int(checkpoint["global_step"]), state)
+        if not _fitting(strategy):
+            self._release(path)  # trainer.save_checkpoint() outside fit: nothing else would close it
 
     # -------------------------------------------------------------- loading
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -189,12 +192,15 @@ class ShardpointCheckpointIO(CheckpointIO):
         ever unpickled.
 
         Raises:
+            CheckpointNotFoundError: nothing at ``path`` (also a ``FileNotFoundError``, as Lightning raises).
             CheckpointError: ``path`` is not a committed shardpoint checkpoint.
             CorruptCheckpointError: a file is damaged (named in the message).
         """
         strategy = self._connected()
         path = comm.broadcast(os.fspath(path))
         self._close_open()  # commit pending saves first: the load may be of one of them
+        if "://" not in path and not os.path.exists(path):
+            raise _not_a_checkpoint(path)  # before a Checkpointer would create its directory
         module = strategy.lightning_module
         fitting = module.trainer.state.fn == "fit"
         state = self._train_state(strategy, with_optimizer=fitting)
@@ -256,6 +262,12 @@ class ShardpointCheckpointIO(CheckpointIO):
         while len(self._open) > _OPEN_CHECKPOINTERS:
             self._open.popitem(last=False)  # already closed: it just lets go of its staging memory
         return ckpt
+
+    def _release(self, path: str) -> None:
+        """Close ``path``'s Checkpointer (committing its save), letting go of the directory's writer lock."""
+        ckpt = self._open.pop(path, None)
+        if ckpt is not None:
+            ckpt.close()
 
     def _close_open(self, keep: str | None = None) -> None:
         """Close every open Checkpointer but ``keep``'s (committing pending saves; same order on every rank)."""
@@ -420,11 +432,23 @@ def _check_plain(value: Any, where: str) -> None:
         )
 
 
+def _fitting(strategy: Strategy) -> bool:
+    """Whether ``trainer.fit`` is running (its teardown closes the Checkpointers), not a save from outside it."""
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    state = getattr(trainer, "state", None)
+    return state is not None and state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING
+
+
 def _not_a_checkpoint(path: str) -> CheckpointError:
     root, name = _split(path)
     storage = open_storage(root)
     target = storage.join(storage.root, name)
-    if storage.exists(target) and not storage.is_dir(target):
+    if not storage.exists(target):  # Lightning raises FileNotFoundError here, and users' code catches it
+        return CheckpointNotFoundError(
+            f"Checkpoint file not found: {target} (no shardpoint checkpoint nor file there); pass the path of an "
+            "existing checkpoint as ckpt_path, or ckpt_path=None to start afresh"
+        )
+    if not storage.is_dir(target):
         return CheckpointError(
             f"{target} is a file, not a shardpoint checkpoint (a checkpoint Lightning wrote itself?); load it "
             "with Lightning's default CheckpointIO, or resume from a checkpoint ShardpointCheckpointIO saved"
