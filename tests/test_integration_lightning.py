@@ -219,6 +219,29 @@ def test_a_save_outside_fit_lets_go_of_the_directory(tmp_path):
     assert marker(tmp_path / "last-v1.ckpt")["iteration"] == 4  # Lightning versions the name it found taken
 
 
+def test_fsspec_urls_shardpoint_does_not_serve_are_refused_by_name(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import shardpoint as sp
+    from shardpoint.integrations.lightning import ShardpointCheckpointIO
+    from tests.integration_lightning_worker import Tiny, data
+
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[ShardpointCheckpointIO()],
+        max_steps=2,
+        callbacks=[ModelCheckpoint(dirpath="memory://ckpt", every_n_train_steps=2)],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    with pytest.raises(sp.CheckpointError, match=r"memory://ckpt.*local paths and s3://.*not to memory://"):
+        trainer.fit(Tiny(), train_dataloaders=data())
+
+
 def test_objects_outside_the_tensors_are_refused_before_anything_is_written(tmp_path):
     import shardpoint as sp
     from tests.integration_lightning_worker import Tiny, data

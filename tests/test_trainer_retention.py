@@ -17,7 +17,7 @@ from shardpoint.integrations.trainer_retention import TrainerRetention
 from shardpoint.lifecycle.policy import CheckpointInfo, select_for_deletion
 
 transformers = pytest.importorskip("transformers")
-from transformers.trainer_utils import rotate_checkpoints  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints, sort_checkpoints  # noqa: E402
 
 from shardpoint.integrations.transformers import ShardpointTrainer  # noqa: E402
 from tests.integration_hf_trainer_worker import Tokens, arguments, tiny_model  # noqa: E402
@@ -84,6 +84,11 @@ def test_a_best_metric_without_a_limit_keeps_every_checkpoint(tmp_path):
     trainer, kept = _train(tmp_path / "all", save_total_limit=None)
     assert kept == list(range(1, 9))  # as the Trainer: no limit, nothing deleted
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    # what shardpoint adds to output_dir is out of the way of the Trainer's own listing
+    others = sorted(p.name for p in (tmp_path / "all").iterdir() if not p.name.startswith("checkpoint-"))
+    assert others == [".shardpoint.lock", "latest_checkpoint.txt"]
+    assert sort_checkpoints(str(tmp_path / "all")) == [str(tmp_path / "all" / f"checkpoint-{s}") for s in kept]
+    assert get_last_checkpoint(str(tmp_path / "all")) == str(tmp_path / "all" / "checkpoint-8")
 
 
 def test_the_best_named_by_the_trainer_survives_when_evaluate_is_overridden(tmp_path):

@@ -53,11 +53,25 @@ additions) as ``extra``: rank 0's, as in Lightning's own files, stored with the
 checkpoint and read back with ``torch.load(weights_only=True)``, never unpickling an
 object. Values there that such a load could not read are refused when saving.
 
-Limits: one optimizer; ``strategy="ddp"`` (not ``ddp_spawn``/``ddp_notebook``, whose
-launcher calls the CheckpointIO on one rank to move weights), ``ModelParallelStrategy``
-and single-device strategies; ``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused.
-An ``on_load_checkpoint`` hook that edits ``checkpoint["state_dict"]`` changes nothing,
-since the weights are already loaded (as under ``ModelParallelStrategy``).
+**Differences from Lightning's own checkpointing, each with its reason:**
+
+* a checkpoint is a directory, not a ``.ckpt`` file: every rank writes its own shards;
+* ``LightningModule.load_state_dict`` is not called, and an ``on_load_checkpoint`` hook
+  that edits ``checkpoint["state_dict"]`` changes nothing: the weights are loaded in
+  place into the live (possibly sharded) tensors before Lightning's restore, as under
+  ``ModelParallelStrategy``, where Lightning does not call it either;
+* ``strict_loading=True`` raises :class:`~shardpoint.errors.MissingKeysError` (a
+  ``CheckpointError``) naming the keys, where Lightning's ``load_state_dict`` raises a
+  ``RuntimeError``; ``strict_loading=False`` loads what matches, as Lightning does;
+* ``ddp_spawn`` / ``ddp_notebook`` are refused: their launcher moves the trained weights
+  back to the main process through the CheckpointIO on one rank, which a collective save
+  cannot serve; ``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused (their own
+  sharded files); one optimizer only;
+* paths are local or ``s3://``: other fsspec URLs (``memory://``, ``gs://``, ...) are
+  refused by name before anything is written (see :func:`_check_url`);
+* a ``.ckpt`` file Lightning wrote itself is not resumed from (``ckpt_path`` naming one is
+  refused, pointing to Lightning's default CheckpointIO);
+* each rank's RNG is restored on a resumed ``fit``, which Lightning's own files do not do.
 
 **Inference and fine-tuning:** ``MyModel.load_from_checkpoint("runs/ckpt/last.ckpt")`` works
 on a checkpoint directory once this module is imported (weights at full size and the
@@ -116,6 +130,7 @@ _DECIDED = {
 }
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # what the plugin saves from the live objects instead
 _OPEN_CHECKPOINTERS = 2  # last.ckpt and the newest top-k name
+_SCHEMES = ("s3://", "file://")  # what shardpoint's storage serves; Lightning's fsspec takes more
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
 
 
@@ -198,6 +213,7 @@ class ShardpointCheckpointIO(CheckpointIO):
         """
         strategy = self._connected()
         path = comm.broadcast(os.fspath(path))
+        _check_url(path)
         self._close_open()  # commit pending saves first: the load may be of one of them
         if "://" not in path and not os.path.exists(path):
             raise _not_a_checkpoint(path)  # before a Checkpointer would create its directory
@@ -391,6 +407,7 @@ def _saved_extra(checkpoint: Mapping[str, Any], path: str) -> dict[str, Any]:
 
     A copy: Lightning goes on changing some of it (ModelCheckpoint's best_k_models) while an async save writes.
     """
+    _check_url(path)
     extra = copy.deepcopy({k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS})
     try:
         _check_plain(extra, "checkpoint")
@@ -429,6 +446,24 @@ def _check_plain(value: Any, where: str) -> None:
             f"{where} is a {kind.__module__}.{kind.__qualname__}; besides the weights and optimizer state, "
             "a shardpoint checkpoint holds plain data only (numbers, strings, lists, dicts, tensors), read back "
             "without unpickling objects: store it as such (e.g. vars(namespace), float(x), str(path))"
+        )
+
+
+def _check_url(path: str) -> None:
+    """Refuse, before any collective, the fsspec URLs Lightning accepts but shardpoint's storage does not serve.
+
+    A deliberate difference: shardpoint's commit protocol (marker last, tracker after it,
+    deletes marker-first, each write confirmed) is written per store, and fsspec's generic
+    interface does not say when an object is durable. ``memory://`` would also vanish with
+    the process, which a checkpoint meant to survive a crash cannot.
+    """
+    if "://" in path and not path.startswith(_SCHEMES):
+        scheme = path.split("://", 1)[0]
+        raise CheckpointError(
+            f"{path}: ShardpointCheckpointIO saves to local paths and s3://bucket/prefix, not to {scheme}:// "
+            "(Lightning reaches it through fsspec; shardpoint's commit protocol needs a storage backend of its own "
+            "for each store). Point ModelCheckpoint(dirpath=...) and default_root_dir at a local path or s3://, or "
+            f"keep Lightning's default CheckpointIO for {scheme}://"
         )
 
 

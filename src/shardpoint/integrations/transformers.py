@@ -39,7 +39,14 @@ Differences from the stock ``Trainer``, each for a reason:
   transformers' own FSDP2 or tensor parallelism) can be checkpointed and resumed,
   which the stock Trainer refuses;
 * DeepSpeed is not supported (its engine keeps its state in its own files), nor are
-  checkpoints pushed to the Hub (``save_model`` still pushes the model).
+  checkpoints pushed to the Hub (``save_model`` still pushes the model);
+* ``output_dir`` holds two more entries beside the ``checkpoint-N`` folders:
+  ``.shardpoint.lock`` (hidden; the writer lock that stops a second job from writing
+  the same directory) and ``latest_checkpoint.txt`` (the tracker: the commit point of
+  a save, and what a resume trusts over listing folders). They stay in ``output_dir``
+  rather than in a checkpoint folder because both are about the directory, and a
+  checkpoint folder is deleted by retention. Neither matches ``checkpoint-*``, so
+  ``get_last_checkpoint``, ``sort_checkpoints`` and ``rotate_checkpoints`` ignore them.
 """
 
 from __future__ import annotations
