@@ -242,6 +242,37 @@ def test_fsspec_urls_shardpoint_does_not_serve_are_refused_by_name(tmp_path):
         trainer.fit(Tiny(), train_dataloaders=data())
 
 
+def test_a_project_switches_by_resuming_from_lightnings_own_ckpt_file(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.integration_lightning_worker import Tiny, data
+
+    stock = lightning.Trainer(  # Lightning's default CheckpointIO: a .ckpt file
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "stock", every_n_train_steps=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trained = Tiny()
+    stock.fit(trained, train_dataloaders=data())
+    ckpt_file = tmp_path / "stock" / "epoch=0-step=2.ckpt"
+    assert ckpt_file.is_file()
+
+    switched = single_device_trainer(tmp_path / "sp", 2)
+    model = Tiny(lr=0.5)
+    switched.fit(model, train_dataloaders=data(), ckpt_path=ckpt_file)
+    assert switched.global_step == 2  # resumed at the stock checkpoint's step: nothing left to train
+    assert_same(model.state_dict(), trained.state_dict(), "weights")
+    assert_same(switched.optimizers[0].state_dict(), stock.optimizers[0].state_dict(), "optimizer")
+    assert model.hparams.lr == 0.5  # as Lightning: fit(ckpt_path=) keeps the model's own hyperparameters
+    switched.save_checkpoint(tmp_path / "sp" / "after.ckpt")  # later saves are shardpoint's
+    assert marker(tmp_path / "sp" / "after.ckpt")["iteration"] == 2
+
+
 def test_objects_outside_the_tensors_are_refused_before_anything_is_written(tmp_path):
     import shardpoint as sp
     from tests.integration_lightning_worker import Tiny, data

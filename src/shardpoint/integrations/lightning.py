@@ -69,8 +69,9 @@ object. Values there that such a load could not read are refused when saving.
   sharded files); one optimizer only;
 * paths are local or ``s3://``: other fsspec URLs (``memory://``, ``gs://``, ...) are
   refused by name before anything is written (see :func:`_check_url`);
-* a ``.ckpt`` file Lightning wrote itself is not resumed from (``ckpt_path`` naming one is
-  refused, pointing to Lightning's default CheckpointIO);
+* a checkpoint Lightning wrote itself (a ``.ckpt`` file, or ``ModelParallelStrategy``'s DCP
+  folder) given as ``ckpt_path`` is read and applied by Lightning's own code, so a running
+  project switches to the plugin and resumes; its later saves are shardpoint's;
 * each rank's RNG is restored on a resumed ``fit``, which Lightning's own files do not do.
 
 **Inference and fine-tuning:** ``MyModel.load_from_checkpoint("runs/ckpt/last.ckpt")`` works
@@ -90,7 +91,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import (
     DDPStrategy,
     DeepSpeedStrategy,
@@ -156,6 +157,7 @@ class ShardpointCheckpointIO(CheckpointIO):
         self.strategy: Strategy | None = None
         self._topology: Topology | None = None
         self._open: OrderedDict[str, Checkpointer] = OrderedDict()
+        self.stock_loaded = False  # the last load read a checkpoint Lightning wrote: Lightning applies it
         _hook_attach()
 
     # ------------------------------------------------------------ attaching
@@ -215,6 +217,9 @@ class ShardpointCheckpointIO(CheckpointIO):
         path = comm.broadcast(os.fspath(path))
         _check_url(path)
         self._close_open()  # commit pending saves first: the load may be of one of them
+        if is_stock_checkpoint(path):  # a .ckpt file Lightning wrote: Lightning's own reader, applied the stock way
+            self.stock_loaded = True
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         if "://" not in path and not os.path.exists(path):
             raise _not_a_checkpoint(path)  # before a Checkpointer would create its directory
         module = strategy.lightning_module
@@ -328,19 +333,30 @@ class _ShardpointStrategy:
 
     @property
     def lightning_restore_optimizer(self) -> bool:
+        if self.checkpoint_io.stock_loaded:  # a checkpoint Lightning wrote: restored Lightning's way
+            return _ORIGINAL[type(self)].lightning_restore_optimizer.fget(self)  # type: ignore[attr-defined]
         return False  # load_checkpoint already did
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options)  # every rank
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.checkpoint_io.stock_loaded = is_stock_checkpoint(os.fspath(checkpoint_path))
+        if self.checkpoint_io.stock_loaded:
+            # Lightning's own code reads it (the strategy's load, which hands a file to the plugin,
+            # whose load_checkpoint passes it to Lightning's TorchCheckpointIO), so a project can switch
+            return _ORIGINAL[type(self)].load_checkpoint(self, checkpoint_path, weights_only=weights_only)
         return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # filled in place by load_checkpoint
+        if self.checkpoint_io.stock_loaded:
+            _ORIGINAL[type(self)].load_model_state_dict(self, checkpoint, strict=strict)
+        # else: filled in place by load_checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # filled in place by load_checkpoint
+        if self.checkpoint_io.stock_loaded:
+            _ORIGINAL[type(self)].load_optimizer_state_dict(self, checkpoint)
+        # else: filled in place by load_checkpoint
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.lightning_module.state_dict()  # references, no gathered copy: the plugin saves the model
@@ -447,6 +463,19 @@ def _check_plain(value: Any, where: str) -> None:
             "a shardpoint checkpoint holds plain data only (numbers, strings, lists, dicts, tensors), read back "
             "without unpickling objects: store it as such (e.g. vars(namespace), float(x), str(path))"
         )
+
+
+def is_stock_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a checkpoint Lightning wrote itself: a ``.ckpt`` file, or a DCP folder without our marker.
+
+    A shardpoint checkpoint appears under its final name only with its marker, so a folder
+    there with DCP's ``.metadata`` and no marker is ``ModelParallelStrategy``'s own.
+    """
+    if "://" in path:
+        return False
+    return os.path.isfile(path) or (
+        os.path.isfile(os.path.join(path, ".metadata")) and not os.path.exists(os.path.join(path, MARKER_NAME))
+    )
 
 
 def _check_url(path: str) -> None:
