@@ -294,3 +294,23 @@ def test_a_failing_extra_writer_thread_fails_the_save(tmp_path, monkeypatch):
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert not (tmp_path / "iter_0000002").exists()
     assert sp.Checkpointer(tmp_path).load(make_state(3)).iteration == 1
+
+
+class _WithOrder(torch.nn.Module):
+    """A module whose buffer's size is data (a sampler's order), as transformers' tests build one."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.register_buffer("data_order", torch.arange(n))
+
+
+@pytest.mark.parametrize("fmt", ["dist", "torch"])
+def test_a_size_difference_is_named_as_one_not_as_damage(tmp_path, fmt):
+    with sp.Checkpointer(str(tmp_path), format=fmt) as ckpt:
+        ckpt.save(1, sp.TrainState(model=_WithOrder(12)))
+    with sp.Checkpointer(str(tmp_path), format=fmt) as ckpt, pytest.raises(sp.ShapeMismatchError) as error:
+        ckpt.load(sp.TrainState(model=_WithOrder(0)))
+    assert not isinstance(error.value, sp.CorruptCheckpointError)
+    assert "'model.data_order' has" in str(error.value) and "(12,)" in str(error.value) and "(0,)" in str(error.value)
+    assert "another size" in str(error.value)
