@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,9 +24,7 @@ from shardpoint.errors import CorruptCheckpointError
 from shardpoint.foreign import megatron_torch_dist, read_foreign
 from shardpoint.foreign._unpickle import load_foreign, save_foreign
 from shardpoint.foreign.hf_files import read_hf_dir
-
-DISTOPT = Path(__file__).parent / "fixtures" / "megatron-llama" / "llama-torchdist-tp2-dp2-distopt" / "ckpt"
-STEP_DIR = "iter_0000002"
+from tests.test_foreign_distopt import DISTOPT, STEP_DIR, copy_ckpt
 
 
 def _write_safetensors(path: Path, header: dict, data: bytes) -> None:
@@ -91,16 +88,8 @@ def test_an_index_too_large_to_be_real_is_refused_unread(tmp_path):
         read_hf_dir(tmp_path)
 
 
-def _copy_distopt(tmp_path: Path) -> Path:
-    root = tmp_path / "ckpt"
-    shutil.copytree(DISTOPT, root)
-    for path in root.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    return root
-
-
 def test_megatron_args_that_disagree_with_the_layers_present_are_named(tmp_path, monkeypatch):
-    root = _copy_distopt(tmp_path)
+    root = copy_ckpt(tmp_path)
     common_path = root / STEP_DIR / "common.pt"
     common = load_foreign(common_path)
     common["args"].num_layers = 1  # the checkpoint holds layers 0 and 1
