@@ -221,6 +221,15 @@ def test_second_writer_is_refused_with_the_holder_named(tmp_path):
     assert json.loads((tmp_path / ".shardpoint.lock").read_text())["pid"] == os.getpid()
 
 
+def test_a_holder_in_this_same_process_is_named_as_such(tmp_path):
+    first = sp.Checkpointer(tmp_path)
+    first.save(1, sp.TrainState(torch.nn.Linear(2, 2)))  # holds the lock until closed
+    with pytest.raises(LockedError, match=rf"this same process \(pid {os.getpid()}\).*close\(\) it first"):
+        sp.Checkpointer(tmp_path).save(2, make_state())
+    first.close()
+    sp.Checkpointer(tmp_path).save(2, sp.TrainState(torch.nn.Linear(2, 2)))  # released: taken
+
+
 # ------------------------------------------------------------ safe loading
 class Exploit:
     def __init__(self, target: str):

@@ -32,6 +32,25 @@ class LockedError(CheckpointError):
     """Another live process holds the directory's writer lock."""
 
 
+def _locked(root: str, holder: str) -> LockedError:
+    """The error for a lock held by ``holder`` (its JSON), telling this very process from another job."""
+    try:
+        record = json.loads(holder)
+        same = record.get("pid") == os.getpid() and record.get("host") == socket.gethostname()
+    except (ValueError, AttributeError):
+        same = False
+    if same:
+        return LockedError(
+            f"{root} is being written by this same process (pid {os.getpid()}): another Checkpointer in it (or a "
+            "Trainer / Lightning plugin whose fit has not ended) still holds the directory's writer lock; close() "
+            "it first, or save into another directory"
+        )
+    return LockedError(
+        f"{root} is being written by another job ({holder}); "
+        "two jobs must not save into one directory: stop the other job or choose another save dir"
+    )
+
+
 class DirectoryLock:
     """An exclusive, process-lifetime lock on a checkpoint root (rank 0 only)."""
 
@@ -58,10 +77,7 @@ class DirectoryLock:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
             handle.close()
-            raise LockedError(
-                f"{os.path.dirname(self.path)} is being written by another job ({holder}); "
-                "two jobs must not save into one directory: stop the other job or choose another save dir"
-            ) from None
+            raise _locked(os.path.dirname(self.path), holder) from None
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}))
