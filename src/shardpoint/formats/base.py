@@ -18,6 +18,7 @@ import torch
 
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
+from shardpoint.errors import ShapeMismatchError
 from shardpoint.parallel.topology import Topology
 from shardpoint.state import naming
 from shardpoint.state.train_state import FlatState
@@ -29,6 +30,7 @@ __all__ = [
     "FormatContext",
     "Loaded",
     "read_torch_file",
+    "size_difference",
     "unexpected_keys",
     "wanted_keys",
     "wanted_summary",
@@ -173,3 +175,15 @@ def wanted_keys(summaries: Iterable[tuple[bytes, list[str]]], saved: Sequence[st
         missing.update(absent)
     wanted = np.flatnonzero(np.unpackbits(union, count=len(saved)))
     return {saved[i] for i in wanted.tolist()} | missing
+
+
+def size_difference(what: str) -> ShapeMismatchError:
+    """The error for a saved tensor whose size differs from the model's at the same layout.
+
+    A size difference is not damage (the checksums say whether bytes are): it is named as
+    what it is, with its two usual causes, in every format.
+    """
+    return ShapeMismatchError(
+        f"{what}; the model's tensor has another size than the saved one (its config differs, or a module "
+        "whose state changes size on load, which an in-place load cannot resize)"
+    )

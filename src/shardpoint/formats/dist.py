@@ -55,18 +55,13 @@ from torch.futures import Future
 
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
-from shardpoint.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    ShapeMismatchError,
-    TopologyMismatchError,
-    UnsafeCheckpointError,
-)
+from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats import read_plan, shared_reads
 from shardpoint.formats.base import (
     FormatContext,
     Loaded,
     read_torch_file,
+    size_difference,
     unexpected_keys,
     wanted_keys,
     wanted_summary,
@@ -588,16 +583,10 @@ def _check_shapes(shards: dict[str, Shard], metadata: Metadata, meta: Checkpoint
             raise CorruptCheckpointError(f"{ctx.directory}: {key!r} is stored as an object, not a tensor")
         saved = tuple(md.size)
         if saved != shard.global_shape:
-            same_layout = meta.topology == ctx.topology.describe()
-            # a size difference is not damage (the checksums say whether bytes are): name it as what it is
-            cls = ShapeMismatchError if same_layout else TopologyMismatchError
-            hint = (
-                "the model's tensor has another size than the saved one (its config differs, or a module "
-                "whose state changes size on load, which an in-place load cannot resize)"
-                if same_layout
-                else f"the layout tp={ctx.topology.tp_size} pp={ctx.topology.pp_size} dp={ctx.topology.dp_size} "
+            what = f"tensor {key!r} has global shape {saved} in {ctx.directory} but {shard.global_shape} here"
+            if meta.topology == ctx.topology.describe():
+                raise size_difference(what)
+            raise TopologyMismatchError(
+                f"{what}: the layout tp={ctx.topology.tp_size} pp={ctx.topology.pp_size} dp={ctx.topology.dp_size} "
                 f"does not divide it the way the model expects; choose sizes that divide {saved}"
-            )
-            raise cls(
-                f"tensor {key!r} has global shape {saved} in {ctx.directory} but {shard.global_shape} here: {hint}"
             )

@@ -29,8 +29,15 @@ from typing import Any
 import torch
 
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
-from shardpoint.errors import CorruptCheckpointError, ShapeMismatchError, TopologyMismatchError
-from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
+from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
+from shardpoint.formats.base import (
+    FormatContext,
+    Loaded,
+    read_torch_file,
+    size_difference,
+    unexpected_keys,
+    write_torch_file,
+)
 from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
 from shardpoint.state import naming, rank_local
@@ -328,11 +335,10 @@ def _copy_whole(key: str, target: Shard, source: torch.Tensor, box: dict | None,
     if tuple(source.shape) != tuple(target.tensor.shape) or (
         box is not None and tuple(box["global_offset"]) != target.global_offset
     ):
-        raise ShapeMismatchError(  # a size difference, not damage (the checksums say whether bytes are)
+        raise size_difference(
             f"{where}: tensor {key!r} has shape {tuple(source.shape)} at offset "
             f"{tuple(box['global_offset']) if box else '?'}, but this rank expects {tuple(target.tensor.shape)} at "
-            f"{target.global_offset}; the model's tensor has another size than the saved one (its config differs, "
-            "or a module whose state changes size on load, which an in-place load cannot resize)"
+            f"{target.global_offset}"
         )
     with torch.no_grad():
         target.tensor.copy_(source)

@@ -75,8 +75,13 @@ def accelerator_topology(accelerator: Any) -> Topology:
 
 
 def is_shardpoint_checkpoint(path: str | os.PathLike[str] | None) -> bool:
-    """Whether ``path`` is a committed shardpoint checkpoint (it holds the commit marker)."""
-    return path is not None and os.path.isfile(os.path.join(path, MARKER_NAME))
+    """Whether ``path`` (local or ``s3://``) is a committed shardpoint checkpoint (it holds the commit marker)."""
+    if path is None:
+        return False
+    text = os.fspath(path)
+    if "://" in text:
+        return text.startswith("s3://") and open_storage(text).exists(text.rstrip("/") + "/" + MARKER_NAME)
+    return os.path.isfile(os.path.join(text, MARKER_NAME))
 
 
 def locate(path: str | os.PathLike[str], layout: Layout) -> tuple[str, int]:

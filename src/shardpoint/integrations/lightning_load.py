@@ -20,11 +20,11 @@ from lightning.pytorch.core import saving
 
 from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.errors import CheckpointNotFoundError
+from shardpoint.integrations._hf_common import is_shardpoint_checkpoint
 from shardpoint.offline import read_full
 from shardpoint.state.train_state import MODEL_PREFIX
-from shardpoint.storage.base import open_storage
 
-__all__ = ["install_load_hook", "is_shardpoint_checkpoint", "load_checkpoint_dict"]
+__all__ = ["install_load_hook", "load_checkpoint_dict"]
 
 
 def load_checkpoint_dict(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
@@ -61,13 +61,6 @@ def load_checkpoint_dict(path: str | os.PathLike[str], map_location: Any = None)
         if key.startswith(MODEL_PREFIX)
     }
     return {**full.common.get("extra", {}), "state_dict": weights}
-
-
-def is_shardpoint_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a committed shardpoint checkpoint directory (its marker is there)."""
-    if "://" in path:
-        return path.startswith("s3://") and open_storage(path).exists(path.rstrip("/") + "/" + MARKER_NAME)
-    return os.path.isfile(os.path.join(path, MARKER_NAME))
 
 
 def install_load_hook() -> None:
