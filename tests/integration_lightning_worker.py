@@ -215,6 +215,11 @@ def main(scenario: str, work: Path) -> None:
     if torch.distributed.is_initialized():
         # leave together: a rank whose peer exited first can abort in gloo's teardown at exit
         torch.distributed.barrier()
+        if scenario == "ddp-one-rank-refuses":
+            # after a fit that failed mid-save, interpreter teardown aborted once in 4 runs in C++
+            # ("terminate called without an active exception"); the result is already written
+            sys.stdout.flush()
+            os._exit(0)
         torch.distributed.destroy_process_group()
 
 
