@@ -226,12 +226,12 @@ def test_retention_keep_best_and_never_the_release(tmp_path):
 
 
 def test_time_based_save(tmp_path):
-    ckpt = sp.Checkpointer(tmp_path, save_interval_minutes=1 / 600)  # 0.1 s
-    state = make_state()
-    assert not ckpt.maybe_save(1, state)
     import time
 
-    time.sleep(0.15)
+    state = make_state()  # before the clock starts: building it is not part of the interval
+    ckpt = sp.Checkpointer(tmp_path, save_interval_minutes=1 / 120)  # 0.5 s, well above the calls' own time
+    assert not ckpt.maybe_save(1, state)
+    time.sleep(0.6)
     assert ckpt.maybe_save(2, state)
     assert not ckpt.maybe_save(3, state)
 

@@ -323,3 +323,26 @@ def test_a_size_difference_is_named_as_one_not_as_damage(tmp_path, fmt):
     assert not isinstance(error.value, sp.CorruptCheckpointError)
     assert "'model.data_order' has" in str(error.value) and "(12,)" in str(error.value) and "(0,)" in str(error.value)
     assert "another size" in str(error.value)
+
+
+class _ResizingOrder(_WithOrder):
+    """A module that takes its buffer at the saved size, as modules whose state is data do."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        saved = state_dict.get(prefix + "data_order")
+        if saved is not None and saved.shape != self.data_order.shape:
+            self.data_order = torch.empty_like(saved)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["dist", "torch"])
+def test_a_module_whose_state_changes_size_loads_through_its_own_load_state_dict(tmp_path, fmt):
+    saved = _ResizingOrder(12)
+    saved.data_order = torch.randperm(12)
+    with sp.Checkpointer(str(tmp_path), format=fmt) as ckpt:
+        ckpt.save(1, sp.TrainState(model=saved))
+    model = _ResizingOrder(0)
+    with sp.Checkpointer(str(tmp_path), format=fmt) as ckpt:
+        ckpt.load(sp.TrainState(model=model), strict=True)
+    assert torch.equal(model.data_order, saved.data_order)
+    assert torch.equal(model.lin.weight, saved.lin.weight)  # the other tensors still load in place

@@ -418,7 +418,7 @@ class DistFormat:
                 ctx.checks()  # the pipeline's file checks: their outcome rides on this round's
             local["metadata"] = metadata = reader.read_metadata()  # as share_metadata left it
             local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, metadata)
-            _check_shapes(targets, metadata, meta, ctx)
+            _check_shapes(targets, metadata, meta, ctx, flat)
             local["present"] = present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
             local["planner"] = planner = ShardLoadPlanner(present, ctx.directory)
             planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
@@ -574,7 +574,11 @@ def _write_item(key: str, shard: Shard) -> WriteItem:
     )
 
 
-def _check_shapes(shards: dict[str, Shard], metadata: Metadata, meta: CheckpointMetadata, ctx: FormatContext) -> None:
+def _check_shapes(
+    shards: dict[str, Shard], metadata: Metadata, meta: CheckpointMetadata, ctx: FormatContext, flat: FlatState
+) -> None:
+    """Refuse a size difference, or retarget a whole model tensor to its saved size (``FlatState.resize``)."""
+    current: dict[int, str] = {}
     for key, shard in shards.items():
         md = metadata.state_dict_metadata.get(key)
         if md is None:
@@ -585,7 +589,12 @@ def _check_shapes(shards: dict[str, Shard], metadata: Metadata, meta: Checkpoint
         if saved != shard.global_shape:
             what = f"tensor {key!r} has global shape {saved} in {ctx.directory} but {shard.global_shape} here"
             if meta.topology == ctx.topology.describe():
-                raise size_difference(what)
+                current = current or {id(s): k for k, s in flat.tensors.items()}
+                resized = flat.resize(current.get(id(shard), key), saved)
+                if resized is None:
+                    raise size_difference(what)
+                shards[key] = resized
+                continue
             raise TopologyMismatchError(
                 f"{what}: the layout tp={ctx.topology.tp_size} pp={ctx.topology.pp_size} dp={ctx.topology.dp_size} "
                 f"does not divide it the way the model expects; choose sizes that divide {saved}"

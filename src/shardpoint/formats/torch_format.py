@@ -139,7 +139,7 @@ class TorchFormat:
             own_keys = [[names.get(k, k) for k in ks] for ks in own_keys]
             plan = _rank_local_plan(ctx, flat, meta, own_keys, set(stored) | set(pieces or {}), main_path)
             boxes = naming.translate(names, payload.get("sharding", {}))
-            missing = _fill(plan.shared, stored, boxes, pieces, main_path)
+            missing = _fill(plan.shared, stored, boxes, pieces, main_path, flat)
             if plan.own:
                 own = _own_tensors(payload, per_dp, f"{folder}/{dp_file(ctx.topology.dp_rank)}", ctx.topology.dp_rank)
                 _fill_own(plan.own, naming.translate(names, own), main_path)
@@ -280,13 +280,26 @@ def _fill_own(targets: dict[str, torch.Tensor], stored: dict[str, torch.Tensor],
 
 
 def _fill(
-    targets: dict[str, Shard], stored: dict[str, torch.Tensor], boxes: dict[str, dict], pieces: dict | None, where: str
+    targets: dict[str, Shard],
+    stored: dict[str, torch.Tensor],
+    boxes: dict[str, dict],
+    pieces: dict | None,
+    where: str,
+    flat: FlatState,
 ) -> list[str]:
-    """Copy stored tensors into ``targets``; returns the keys found nowhere."""
+    """Copy stored tensors into ``targets``; returns the keys found nowhere.
+
+    A whole model tensor stored at another size is read at that size when ``flat`` allows
+    it (``FlatState.resize``: the model's ``load_state_dict`` then takes it).
+    """
     missing = []
     for key, target in targets.items():
         if key in stored:
-            _copy_whole(key, target, stored[key], boxes.get(key), where)
+            source, box = stored[key], boxes.get(key)
+            saved_whole = box is None or list(box["global_shape"]) == list(source.shape)
+            if saved_whole and tuple(source.shape) != target.global_shape:
+                target = flat.resize(key, tuple(source.shape)) or target
+            _copy_whole(key, target, source, boxes.get(key), where)
         elif pieces is not None and key in pieces:
             for piece in pieces[key]:
                 copy_overlap(target, piece["tensor"], piece["global_offset"])

@@ -25,6 +25,12 @@ Where it hooks in (transformers 5.x), and why there:
 * ``train`` checks ``trainer_state.json`` against its checksum before the Trainer
   reads it, and closes the Checkpointer at the end (committing a pending ``async_save``).
 
+Tensors are loaded in place, into the model's own tensors. A whole (unsharded) tensor saved
+at another size (a buffer whose size is data, a module that rebuilds itself in
+``_load_from_state_dict``) is read at its saved size and handed to the model's own
+``load_state_dict``, as the stock Trainer loads it (:mod:`shardpoint.state.resizing`);
+a module that refuses it gives ``ShapeMismatchError``, never a damage error.
+
 A ``checkpoint-N`` without ``shardpoint.json`` (written by the stock ``Trainer``) is
 handed to the stock code, so a run switched to ``ShardpointTrainer`` resumes from its
 last stock checkpoint.

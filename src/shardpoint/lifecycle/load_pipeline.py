@@ -45,6 +45,7 @@ from shardpoint.state.train_state import (
     TrainState,
     collect,
     load_optimizer_shards,
+    load_resized,
     restore,
 )
 from shardpoint.storage.base import Storage
@@ -275,6 +276,7 @@ class LoadPipeline:
 
     def _restore(self, state: TrainState, flat: FlatState, loaded: Loaded, opened: _Opened, opts: LoadOptions) -> None:
         _forget_unsaved_optimizer_state(state, flat, loaded)
+        load_resized(state, flat)
         if opts.strict and (loaded.missing or loaded.unexpected):
             raise MissingKeysError(opened.path, loaded.missing, loaded.unexpected)
         with_optimizer = opts.load_optimizer and not opened.finetune

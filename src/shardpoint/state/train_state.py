@@ -19,10 +19,19 @@ from typing import Any
 
 import torch
 
-from shardpoint.state import naming, rng
+from shardpoint.state import naming, resizing, rng
 from shardpoint.state.sharding import Shard, flatten_shards, is_dtensor, to_shard
 
-__all__ = ["FlatState", "ParamIndex", "TrainState", "add_optimizer_state", "collect", "param_shard_index", "restore"]
+__all__ = [
+    "FlatState",
+    "ParamIndex",
+    "TrainState",
+    "add_optimizer_state",
+    "collect",
+    "load_resized",
+    "param_shard_index",
+    "restore",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +87,10 @@ class FlatState:
         shared_if_equal: keys of ``tensors`` whose holders may legitimately disagree
             (optimizer scalars, non-elementwise state of whole parameters): stored once
             when every holder has the same value, moved to ``rank_local`` otherwise.
+        resizable: model keys whose tensor is whole on every rank, so that a load may read
+            it at its saved size and hand it to the model's ``load_state_dict``
+            (:mod:`shardpoint.state.resizing`).
+        resized: what a load read that way: key -> (the model's shape, the loaded tensor).
     """
 
     tensors: dict[str, Shard]
@@ -85,6 +98,17 @@ class FlatState:
     per_rank: dict[str, Any]
     rank_local: dict[str, torch.Tensor] = field(default_factory=dict)
     shared_if_equal: set[str] = field(default_factory=set)
+    resizable: set[str] = field(default_factory=set)
+    resized: dict[str, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
+
+    def resize(self, key: str, saved_shape: tuple[int, ...]) -> Shard | None:
+        """The new target of ``key`` when it may be loaded at its saved size, else None (a size difference)."""
+        if key not in self.resizable or key not in self.tensors:
+            return None
+        old = self.tensors[key]
+        self.tensors[key] = new = resizing.resized_target(old, tuple(saved_shape))
+        self.resized[key] = (old.global_shape, new.tensor)
+        return new
 
     def nbytes(self) -> int:
         tensors = [s.tensor for s in self.tensors.values()] + list(self.rank_local.values())
@@ -106,7 +130,9 @@ def collect(
         per_rank["stateful"] = {name: obj.state_dict() for name, obj in state.stateful.items()}
     flat = FlatState({}, common, per_rank)
     if state.model is not None:
-        flat.tensors = model_shards(state.model, flat.rank_local)
+        values = naming.model_state(state.model)
+        flat.tensors = flatten_shards(values, MODEL_PREFIX, flat.rank_local)
+        flat.resizable = resizing.plain_keys(state.model, values, MODEL_PREFIX)
     if include_optimizer and state.optimizer is not None:
         if init_optimizer:
             _ensure_optimizer_state(state.optimizer)
@@ -142,6 +168,12 @@ def restore(
         rng.restore(per_rank["rng"], state.generators)
     if per_rank:
         _restore_stateful(state.stateful, per_rank.get("stateful") or {})
+
+
+def load_resized(state: TrainState, flat: FlatState) -> None:
+    """Hand the model tensors a load read at their saved size to the model (see :mod:`~shardpoint.state.resizing`)."""
+    if state.model is not None:
+        resizing.load_resized(state.model, flat.resized, MODEL_PREFIX)
 
 
 def _restore_stateful(objects: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
