@@ -137,3 +137,16 @@ def test_local_first_resave_replaces_remote_objects(s3_server, bucket, tmp_path)
     fresh = make_state(7)
     assert sp.Checkpointer(remote).load(fresh).iteration == 2  # checksums hold: no stale object
     assert_same(state, fresh)
+
+
+def test_the_mirror_of_a_replayed_save_has_its_metadata(s3_server, bucket, tmp_path):
+    """Rank 0 writes ``.metadata`` in the commit (format.finish), after its own files: it is uploaded too."""
+    remote = f"{bucket}/replayed"
+    state = make_state()
+    with sp.Checkpointer(tmp_path / "local", upload_to=remote, keep_last=0) as ckpt:
+        for iteration in (1, 2):  # the second save replays the first one's plan
+            train(state)
+            ckpt.save(iteration, state)
+    fresh = make_state(7)
+    assert sp.Checkpointer(remote).load(fresh, iteration=2).iteration == 2
+    assert_same(state, fresh)

@@ -10,11 +10,10 @@ Three measurements, each against plain DCP in the same run:
   included). Many ranks on few cores are oversubscribed: that measures coordination.
 - **reads** (with ``--scale``): bytes read by all ranks during one load per stored byte
   (``/proc/self/io``), at dp=4 and tp=2·dp=2.
-- **planning** (``--simulate-ranks 1024,4096``): in one process, rank 0's part of a
-  save of N ranks × 300 ``Shard(0)`` parameters: DCP's central planning (first save)
-  against what a replayed save does on rank 0 (:mod:`shardpoint.formats.dist_replay`:
-  compare N fingerprints; the cached ``.metadata`` bytes are written as they are), with
-  the bytes of the plans rank 0 gathers and of ``.metadata``. And every rank's part of
+- **planning** (``--simulate-ranks 4096,16384``): in one process, rank 0's part of a
+  save of N ranks × 300 ``Shard(0)`` parameters: DCP's central planning against
+  shardpoint's first save (``.metadata`` from compact records) and a replayed one,
+  with the bytes gathered and rank 0's peak memory (:mod:`shardpoint.commands.planning_sim`). And every rank's part of
   a load's plan round at tp=8 and dp=N/8 (:mod:`shardpoint.formats.shared_reads`): the
   message each rank sends and receives, against the same said with key names, and the
   planning of the shared reads that every rank does for all of them.
@@ -38,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardpoint.commands import planning_sim
+
 __all__ = [
     "COLLECTIVES",
     "bytes_read_per_stored_byte",
@@ -45,7 +46,6 @@ __all__ = [
     "count_collectives",
     "report",
     "simulate_load_planning",
-    "simulate_planning",
 ]
 
 PARAMS_PER_RANK = 10
@@ -87,47 +87,6 @@ def bytes_read_per_stored_byte(directory: str) -> dict[str, float]:
         with open(out) as f:
             found[name] = json.load(f)["ratio"]
     return found
-
-
-def simulate_planning(counts: list[int], params: int = 300) -> list[dict[str, float]]:
-    """Rank 0's planning of one save at N simulated ranks: DCP's first plan against a replayed save."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    from shardpoint.formats.dist_replay import fingerprint
-
-    rows = []
-    for world in counts:
-        plans = [_local_plan(rank, world, params) for rank in range(world)]
-        gathered = len(pickle.dumps(plans))
-        start = time.perf_counter()
-        planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-        global_plans, metadata = planner.create_global_plan(plans)
-        first = time.perf_counter() - start
-        metadata.storage_data = {
-            item.index: _StorageInfo(f"__{r}_0.distcp", i * 4096, 4096)
-            for r, plan in enumerate(global_plans)
-            for i, item in enumerate(plan.items)
-        }
-        del plans, global_plans
-        local = _local_plan(0, world, params)
-        start = time.perf_counter()
-        digest = fingerprint(local, 0, world)  # every rank does this for itself, in parallel
-        flags = [digest == digest] * world  # rank 0 checks every rank's "unchanged" flag
-        replayed_planning = time.perf_counter() - start
-        assert all(flags)
-        pickled = pickle.dumps(metadata)  # once per structure (the first replay)
-        rows.append(
-            {
-                "ranks": world,
-                "first save: rank-0 planning s": first,
-                "replayed save: rank-0 planning s": replayed_planning,
-                "plans gathered on rank 0 MB (first save)": gathered / 1e6,
-                ".metadata MB": len(pickled) / 1e6,
-            }
-        )
-        del metadata, pickled
-    return rows
 
 
 def simulate_load_planning(counts: list[int], params: int = 300, tp: int = 8) -> list[dict[str, float]]:
@@ -188,7 +147,7 @@ def report(scale: list[int], simulate: list[int], repeat: int, as_json: bool, qu
             found["bytes read per stored byte"] = bytes_read_per_stored_byte(tmp)
     if simulate:
         console.print(f"simulated planning at {simulate} ranks...")
-        found["planning"] = simulate_planning(simulate)
+        found["planning"] = planning_sim.simulate_planning(simulate)
         found["load planning"] = simulate_load_planning(simulate)
     if as_json:
         print(json.dumps(found, indent=2))
@@ -395,30 +354,8 @@ def _rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
 
 
-def _local_plan(rank: int, world: int, params: int) -> Any:
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-
-    properties = TensorProperties(dtype=torch.float32)
-    items = []
-    for p in range(params):
-        offset = torch.Size([rank * 64, 0])
-        items.append(
-            WriteItem(
-                index=MetadataIndex(f"model.layers.{p}.weight", offset),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offset, sizes=torch.Size([64, 1024])),
-                    properties=properties,
-                    size=torch.Size([world * 64, 1024]),
-                ),
-            )
-        )
-    return SavePlan(items)
-
-
 if __name__ == "__main__":  # a quick look: python -m shardpoint.commands.scale
     with tempfile.TemporaryDirectory() as tmp:
         print(json.dumps(coordination([2], 2, tmp), indent=1))
         print(json.dumps(bytes_read_per_stored_byte(tmp), indent=1))
-    print(json.dumps(simulate_planning([64]), indent=1))
+    print(json.dumps(planning_sim.simulate_planning([64]), indent=1))

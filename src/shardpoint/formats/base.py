@@ -54,6 +54,8 @@ class FormatContext:
     rename: Any = None  # saved key -> current key on load: a mapping or a callable (see naming)
     verify: bool = False  # on load: check the checksums of the files a format checks while reading
     plan_cache: Any = None  # saves: the format's cache of the last plan (dist: formats.dist_replay), or None
+    # saves: the replica check's verdict (state.replicas.ReplicaReport) when this save ran one: who writes what
+    replicas: Any = None
     # loads: the pipeline's checks of the checkpoint's files, for a format whose load runs them in its first
     # agreement round (``checks_in_first_round``), to save a round; None: the pipeline ran them already
     checks: Callable[[], None] | None = None

@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -56,7 +55,7 @@ from torch.futures import Future
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
-from shardpoint.formats import read_plan, shared_reads
+from shardpoint.formats import dist_save, read_plan, shared_reads
 from shardpoint.formats.base import (
     FormatContext,
     Loaded,
@@ -70,7 +69,7 @@ from shardpoint.formats.base import (
 from shardpoint.formats.batched_writes import write_plan
 from shardpoint.formats.dcp_metadata import DCP_METADATA, SafeMetadata, share_metadata
 from shardpoint.formats.dcp_read import StreamingReads
-from shardpoint.formats.dist_replay import fingerprint_of, shard_spec, write_metadata, write_with_plan
+from shardpoint.formats.dist_replay import fingerprint_of, shard_spec
 from shardpoint.parallel import comm
 from shardpoint.state import naming, rank_local
 from shardpoint.state.sharding import Shard
@@ -221,28 +220,15 @@ class HashingFsspecFileSystem(_RecordingStreams, FsspecFileSystem):
 
 
 class _CompleteWrites:
-    """Mixin for DCP writers: fail the save when any write item has no result; keep what DCP decided.
+    """Mixin for DCP writers: fail the save when any write item has no result.
 
     With ``thread_count > 1`` DCP runs extra writer threads whose exceptions are lost:
     their items silently have no storage record and the save "succeeds" without
     them. Every item of this rank's plan must come back written, or the first error
     any writer thread hit (a full disk becomes a StorageError upstream) is raised.
-
-    The final local plan, the write results and (rank 0) the global metadata are kept
-    for :mod:`shardpoint.formats.dist_replay`.
     """
 
-    final_plan: SavePlan | None = None
-    results: list | None = None
-    final_metadata: Metadata | None = None
-    all_results: list | None = None
-
-    def finish(self, metadata: Metadata, results: list) -> None:
-        super().finish(metadata, results)  # type: ignore[misc]
-        self.final_metadata, self.all_results = metadata, results
-
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
-        self.final_plan = plan
         future: Future = Future()
         future.set_result(write_plan(self, plan, planner))  # DCP's layout, fewer calls per item
         written = {result.index for result in future.value()}
@@ -252,7 +238,6 @@ class _CompleteWrites:
             if errors:
                 raise errors[0]
             raise CheckpointError(f"{len(missing)} tensor(s) were not written, e.g. {missing[:3]}; nothing committed")
-        self.results = list(future.value())
         return future
 
 
@@ -340,30 +325,9 @@ class DistFormat:
         shards = _shards(flat, rank)
         state_dict = {key: shard.tensor for key, shard in shards.items()}
         planner = ShardSavePlanner(shards)
-        cache = ctx.plan_cache
+        fingerprint = self.fingerprint(ctx, flat) if ctx.plan_cache is not None else None
         with _dcp_errors(directory), paused_gc():
-            if cache is not None and cache.replay:  # the same structure as the last save: no planning
-                results = write_with_plan(writer, planner, state_dict, cache.plan, rank)
-                ctx.for_coordinator = None if results == cache.results else results
-                if ctx.for_coordinator is not None:
-                    cache.captured["results"] = results
-            else:
-                dcp.save(
-                    state_dict,
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=ctx.process_group or comm.control_group(),
-                    no_dist=not comm.initialized(),
-                )
-                if cache is not None:
-                    cache.captured.update(
-                        fingerprint=self.fingerprint(ctx, flat),
-                        plan=writer.final_plan,
-                        results=writer.results,
-                        metadata=writer.final_metadata,
-                        metadata_bytes=None,  # pickled again at the first replay of this structure
-                        all_results=writer.all_results,
-                    )
+            dist_save.write(ctx, writer, planner, state_dict, fingerprint)
         ctx.pending["writer"] = writer
         files = writer.records()
         if flat.per_rank:
@@ -379,15 +343,11 @@ class DistFormat:
         return fingerprint_of(specs, comm.rank(), comm.world_size())
 
     def finish(self, ctx: FormatContext, parts: list[Any]) -> dict[str, FileRecord]:
-        """Rank 0 of a replayed save: ``.metadata`` from the cached plan and the ranks' changed results."""
-        cache = ctx.plan_cache
-        if cache is None or not cache.replay:
-            return {}  # dcp.save wrote it
+        """Rank 0: ``.metadata`` from every rank's records (:mod:`~shardpoint.formats.dist_save`)."""
         writer = ctx.pending["writer"]
         with _dcp_errors(ctx.directory):
-            write_metadata(writer, cache, parts)
-        if any(part is not None for part in parts):  # storage records changed: the next replay starts from these
-            cache.captured.update(metadata=writer.final_metadata, all_results=writer.all_results)
+            if not dist_save.finish(ctx, writer, parts):
+                return {}  # dcp.save wrote it
         return {DCP_METADATA: writer.records()[DCP_METADATA]}
 
     def files_read_by_all(self, meta: CheckpointMetadata) -> list[str]:

@@ -7,40 +7,36 @@ and after the writes rank 0 gathers every item's storage record to write
 plans, at *every* save, although a training job saves the same structure again and
 again (Megatron-LM's ``--ckpt-assume-constant-structure`` exists for this).
 
-A :class:`SavePlanCache` keeps, on every rank, what the last full ``dcp.save``
-decided for it (the final local plan, which assigns each replicated box to one
-writer) and its write results; rank 0 keeps the global :class:`Metadata`. The next
-save of the same structure:
+A :class:`SavePlanCache` keeps, on every rank, what the last planned save decided for
+it (its final local plan, which assigns each replicated box to one writer, see
+:mod:`shardpoint.formats.dist_save`) and its write results; rank 0 keeps every rank's
+:class:`~shardpoint.formats.metadata_records.RankRecords` and the ``.metadata`` stream
+assembled from them. The next save of the same structure:
 
 1. agrees that every rank's :func:`fingerprint` is unchanged, inside the save's
    start round (:mod:`shardpoint.lifecycle.save_pipeline`), so nothing extra is exchanged;
-2. writes this rank's items with the cached plan (:func:`write_with_plan`), exactly as
-   DCP would have, without a collective;
-3. sends rank 0 its write results only if they differ from the cached ones (``None``
-   otherwise), inside the commit round; rank 0 writes ``.metadata`` from the cached
-   metadata (:func:`write_metadata`), rebuilding its storage records only when some
-   rank's changed. Unchanged, the bytes pickled at the first replay are written again:
-   pickling DCP's metadata costs seconds at a thousand ranks (measured: 5.9 s for 50 MB
-   at 1024 simulated ranks × 300 tensors), so it is done once per structure.
+2. writes this rank's items with the cached plan (:func:`write_with_plan`), without a
+   collective;
+3. sends rank 0 its records only if its write results differ from the cached ones
+   (``None`` otherwise), inside the commit round; rank 0 writes the cached
+   ``.metadata`` stream again (:func:`write_metadata`), assembling it anew only with
+   the changed ranks' records.
 
 A changed structure (a new parameter, a reshaped tensor, optimizer state that
 appeared, a new ``RankLocal``) changes the fingerprint of some rank, and that save
-runs the full ``dcp.save`` and refills the cache. The cache is trusted only after a
-committed save; a failed one empties it on every rank.
+plans afresh and refills the cache. The cache is trusted only after a committed
+save; a failed one empties it on every rank.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -71,9 +67,8 @@ class SavePlanCache:
     fingerprint: str | None = None
     plan: SavePlan | None = None
     results: list[WriteResult] | None = None
-    metadata: Metadata | None = None  # rank 0: the global metadata, storage records filled in
-    all_results: list[list[WriteResult]] | None = None  # rank 0
-    metadata_bytes: bytes | None = None  # rank 0: ``.metadata`` as a replay writes it (pickled once)
+    records: list[Any] | None = None  # rank 0: every rank's RankRecords of the last planned save
+    metadata_chunks: list[bytes] | None = None  # rank 0: the ``.metadata`` stream assembled from them
     replicas: Any = None  # the last full replica check's ReplicaReport: shared boxes, the job's size
     replay: bool = False
     captured: dict[str, Any] = field(default_factory=dict)
@@ -148,26 +143,12 @@ def write_with_plan(writer: Any, planner: Any, state_dict: dict[str, Any], plan:
     return list(writer.write_data(final, planner).value())
 
 
-def write_metadata(writer: Any, cache: SavePlanCache, gathered: list[list[WriteResult] | None]) -> None:
-    """Rank 0: ``.metadata`` of a replayed save; ``gathered[r]`` is None where rank r's results are unchanged."""
-    assert cache.metadata is not None and cache.all_results is not None
-    if all(results is None for results in gathered):  # storage records as they were: the same bytes
-        if cache.metadata_bytes is None:
-            metadata = copy.copy(cache.metadata)
-            metadata.storage_meta = None  # DCP's per-save ids; its readers fill in their own
-            cache.metadata_bytes = pickle.dumps(metadata)
-        _write(writer, cache.metadata_bytes)
-        return
-    all_results = [cached if new is None else new for new, cached in zip(gathered, cache.all_results)]
-    writer.finish(copy.copy(cache.metadata), all_results)
-    cache.metadata_bytes = None
-
-
-def _write(writer: Any, data: bytes) -> None:
-    """What DCP's ``finish`` does after pickling: a durable ``.metadata``, written aside, then renamed."""
+def write_metadata(writer: Any, chunks: list[bytes]) -> None:
+    """What DCP's ``finish`` does with its pickle: a durable ``.metadata``, written aside, then renamed."""
     tmp = writer.fs.concat_path(writer.path, _METADATA + ".tmp")
     with writer.fs.create_stream(tmp, "wb") as stream:
-        stream.write(data)
+        for chunk in chunks:
+            stream.write(chunk)
         if getattr(writer, "sync_files", False):
             sync_stream(stream)
     final = writer.fs.concat_path(writer.path, _METADATA)

@@ -100,6 +100,8 @@ class _PendingSave:
     writer: BackgroundWrite | None = None
     attachments: dict[str, Any] = field(default_factory=dict)  # extra files this rank writes (validation logits)
     check_replicas: bool = True  # compare declared replicas by hash (optimizer scalars are always compared)
+    replicas: Any = None  # the replica check's ReplicaReport when this save ran one (who writes which box)
+    finished: dict[str, Any] = field(default_factory=dict)  # rank 0: files the format's finish() wrote
 
 
 class SavePipeline:
@@ -235,6 +237,7 @@ class SavePipeline:
             distributed_optimizer=pending.flat.common.get("distributed_optimizer", False),
             process_group=group,
             plan_cache=cache,
+            replicas=pending.replicas,
         )
         return self._write_files(pending)
 
@@ -287,7 +290,7 @@ class SavePipeline:
             "comparing replicated tensors",
             group,
         )
-        pending.needed = report.deduplicated_bytes
+        pending.needed, pending.replicas = report.deduplicated_bytes, report
         if self._plan_cache is not None:
             self._plan_cache.captured.update(replicas=report)
 
@@ -321,13 +324,15 @@ class SavePipeline:
         self.times.record(pending.start, meta, pending.final)
         if self.mirror is not None:
             marker = meta.to_json().encode()
-            self.mirror.start(pending.final, list(records), pending.iteration, marker, pending.update_tracker)
+            files = [*records, *pending.finished]  # rank 0 uploads what the format's finish wrote too
+            self.mirror.start(pending.final, files, pending.iteration, marker, pending.update_tracker)
         return pending.final
 
     def _commit_all(self, pending: _PendingSave, parts: list[tuple[dict, Any]]) -> CheckpointMetadata:
         """Rank 0, once every rank's writes succeeded: the format's last files, the marker, the tracker."""
         all_records = [records for records, _ in parts]
-        all_records.append(self.format.finish(pending.ctx, [extra for _, extra in parts]))
+        pending.finished = self.format.finish(pending.ctx, [extra for _, extra in parts])  # .metadata, for dist
+        all_records.append(pending.finished)
         seconds = time.perf_counter() - pending.start
         meta = _metadata(self, pending.iteration, all_records, pending.metrics, pending.extra, seconds)
         self._commit(pending.ctx.directory, pending.final, meta, pending.update_tracker)

@@ -37,7 +37,7 @@ from shardpoint.parallel import comm
 from shardpoint.state import coverage
 from shardpoint.state.train_state import FlatState
 
-__all__ = ["ReplicaReport", "check_replicas", "compare", "fingerprint", "hashes_of"]
+__all__ = ["ReplicaReport", "box_of", "check_replicas", "compare", "fingerprint", "hashes_of"]
 
 _Box = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # key, offset, shape, scope
 
@@ -54,6 +54,7 @@ class ReplicaReport:
     deduplicated_bytes: int
     shared: frozenset = frozenset()
     always: frozenset = frozenset()
+    written_elsewhere: frozenset = frozenset()  # shared boxes this rank holds that another rank writes
 
     def to_check(self, check_declared: bool) -> frozenset:
         return self.shared if check_declared else self.always
@@ -97,12 +98,41 @@ def check_replicas(
             if shared_if_equal:
                 always.add(box)
     shared = frozenset(box for box, ranks in holders.items() if len(ranks) > 1)
-    report = ReplicaReport(sum(sizes.values()) + sum(extra for _, extra, _ in gathered), shared, shared & always)
+    elsewhere = _written_elsewhere(holders, sizes, len(gathered), comm.rank())  # groups span every rank
+    total = sum(sizes.values()) + sum(extra for _, extra, _ in gathered)
+    report = ReplicaReport(total, shared, shared & always, elsewhere)
     # decided from gathered data only, so every rank takes the same branch (the next all-gather)
     checked = report.to_check(check_declared)
     if checked:
         compare(flat, comm.all_gather(hashes_of(flat, checked, scope), group))
     return report
+
+
+def _written_elsewhere(holders: dict[_Box, list[int]], sizes: dict[_Box, int], world: int, rank: int) -> frozenset:
+    """The shared boxes ``rank`` holds but does not write: each shared box has one writer.
+
+    The writer is the holder with the fewest bytes to write so far (lowest rank on a
+    tie), in the gathered order, as DCP's central ``dedup_save_plans`` balances them;
+    every rank computes it from the same gathered boxes, so a first save needs no
+    central planning to agree on who writes what (:mod:`shardpoint.formats.dist`).
+    """
+    load = [0] * world
+    for box, ranks in holders.items():
+        if len(ranks) == 1:
+            load[ranks[0]] += sizes[box]
+    skipped = []
+    for box, ranks in holders.items():
+        if len(ranks) > 1:
+            writer = min(ranks, key=lambda r: (load[r], r))
+            load[writer] += sizes[box]
+            if writer != rank and rank in ranks:
+                skipped.append(box)
+    return frozenset(skipped)
+
+
+def box_of(key: str, shard: Any, scope: tuple[int, ...] = ()) -> _Box:
+    """The box ``shard`` fills under ``key``: how the replica check names it."""
+    return _box(key, shard, scope)
 
 
 def hashes_of(flat: FlatState, boxes: frozenset, scope: tuple[int, ...] = ()) -> dict[_Box, tuple[str, int]]:
