@@ -1,0 +1,368 @@
+"""A torchft checkpoint transport that checks what arrives: :class:`ShardpointTransport`.
+
+torchft heals a replaced replica group from a healthy one while the others keep
+training: at the next step its ``Manager`` asks a healthy rank to send the current
+state dict (``send_checkpoint``) and the recovering rank to receive it
+(``recv_checkpoint``). torchft's own transports (``PGTransport``, ``HTTPTransport``)
+move the bytes and trust them, and unpickle what the sender says about them.
+``ShardpointTransport`` is a drop-in for ``PGTransport`` (the same process group, the
+same arguments) that:
+
+* **checks every chunk**: each tensor travels in chunks of at most ``chunk_bytes``
+  (64 MiB by default), each followed by its XXH3-64 (the checksum of shardpoint's
+  files); a mismatch raises :class:`~shardpoint.errors.CorruptCheckpointError` naming
+  the sender, the key and the byte range, never a silently wrong tensor;
+* **never hangs past the Manager's timeout, and names who is missing**: every receive
+  waits at most ``timeout``; a sender that stops or dies is a
+  :class:`~shardpoint.errors.CheckpointTimeoutError` naming the sender rank and the
+  key it was sending;
+* **unpickles nothing that is not plain data**: the description of the state dict is
+  JSON-like plain data read through shardpoint's restricted unpickler
+  (:func:`~shardpoint.storage.safe_io.load_plain_pickle`); the pytree structure travels
+  as ``torch.utils._pytree``'s JSON, ``DTensor`` placements by name; a crafted header
+  is an :class:`~shardpoint.errors.UnsafeCheckpointError`, and runs nothing;
+* **receives in place**: with ``state_dict=`` (a callable returning the recovering
+  rank's own state dict, as for ``PGTransport``), tensors and ``DTensor`` local shards
+  are received straight into the existing tensors, chunk by chunk;
+* **does not hold up the healthy ranks**: ``send_checkpoint`` returns at once and
+  sends from a background thread; torchft calls ``disallow_checkpoint`` before the
+  optimizer changes the state, which waits for the sends and raises their errors.
+  Several recovering ranks are served by one pass over the state: each chunk is sent
+  to all of them before the next.
+
+Memory: the sender sends contiguous tensors as they are (a contiguous copy of one
+tensor at a time otherwise, and a ``chunk_bytes`` host buffer to hash device
+tensors); the receiver allocates only the tensors it has no place for (none when
+receiving in place) and one ``chunk_bytes`` buffer. That is the state plus
+``2 × chunk_bytes`` per rank at most.
+
+Install torchft (``pip install torchft``) to use it; this module imports it lazily,
+only to subclass its ``CheckpointTransport``.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import xxhash
+
+from shardpoint.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError
+from shardpoint.storage.safe_io import load_plain_pickle
+
+try:
+    from torchft.checkpointing.transport import CheckpointTransport
+except ImportError:  # pragma: no cover - torchft is optional
+    CheckpointTransport = object  # type: ignore[assignment,misc]
+
+__all__ = ["ShardpointTransport"]
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 << 20
+_HEADER_LENGTH_TAG, _HEADER_TAG, _FIRST_TAG = 1, 2, 3
+
+
+class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
+    """Send a torchft state dict over a torchft process group, every chunk checksummed.
+
+    Args:
+        pg: the torchft ``ProcessGroup`` the transport uses (as for ``PGTransport``).
+        timeout: the longest any one send or receive may wait.
+        device: where received tensors without an in-place target are put, and what the
+            process group moves (``cpu`` for gloo, ``cuda`` for NCCL).
+        state_dict: returns this rank's own state dict, to receive into in place.
+        chunk_bytes: the largest piece sent at once, each with its own checksum.
+    """
+
+    def __init__(
+        self,
+        pg: Any,
+        timeout: timedelta,
+        device: torch.device,
+        state_dict: Callable[[], Any] | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self._pg, self._timeout, self._device = pg, timeout, torch.device(device)
+        self._state_dict, self._chunk = state_dict, int(chunk_bytes)
+        self._sending: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ torchft's interface
+    def metadata(self) -> str:
+        return "<n/a>"  # the process group is the address
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        """Start sending ``state_dict`` to ``dst_ranks``; returns at once (see :meth:`disallow_checkpoint`)."""
+        thread = threading.Thread(
+            target=self._send_guarded,
+            args=(list(dst_ranks), step, state_dict, timeout),
+            name="shardpoint-torchft-send",
+            daemon=True,
+        )
+        thread.start()
+        self._sending.append(thread)
+
+    def disallow_checkpoint(self) -> None:
+        """Wait until every send has finished; raise the first send's error. The state may change after this."""
+        for thread in self._sending:
+            thread.join()
+        self._sending = []
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        """Receive the state dict ``src_rank`` sends for ``step``, checked chunk by chunk."""
+        from torch.utils._pytree import tree_flatten_with_path, tree_unflatten, treespec_loads
+
+        header = self._recv_header(src_rank, timeout)
+        if header["step"] != step:
+            raise CheckpointError(f"rank {src_rank} sent the state of step {header['step']}, not of step {step}")
+        own = dict(tree_flatten_with_path(self._state_dict())[0]) if self._state_dict else {}
+        receiver = _Receiver(self, src_rank, timeout)
+        values = [receiver.leaf(leaf, own) for leaf in header["leaves"]]
+        return tree_unflatten(values, treespec_loads(header["treespec"]))
+
+    def shutdown(self, wait: bool = True) -> None:
+        if wait:
+            for thread in self._sending:
+                thread.join(self._timeout.total_seconds())
+
+    # ------------------------------------------------------------------ sending
+    def _send_guarded(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        try:
+            self._send(dst_ranks, step, state_dict, timeout)
+        except BaseException as exc:  # noqa: BLE001 - kept for disallow_checkpoint, on the caller's thread
+            log.warning("sending the state of step %d to ranks %s failed: %s", step, dst_ranks, exc)
+            if not isinstance(exc, CheckpointError):
+                error = CheckpointError(f"sending the state of step {step} to ranks {dst_ranks} failed: {exc!r}")
+                error.__cause__, exc = exc, error
+            with self._lock:
+                self._errors.append(exc)
+
+    def _send(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        from torch.utils._pytree import tree_flatten_with_path, treespec_dumps
+
+        flat, spec = tree_flatten_with_path(state_dict)
+        tensors = [_local(value) for _, value in flat if isinstance(value, torch.Tensor)]
+        header = {
+            "step": step,
+            "treespec": treespec_dumps(spec),
+            "leaves": [_describe(path, value) for path, value in flat],
+        }
+        data = pickle.dumps(header)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._device)
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
+        self._wait([self._pg.send([length], d, tag=_HEADER_LENGTH_TAG) for d in dst_ranks], timeout, dst_ranks, "")
+        self._wait([self._pg.send([raw], d, tag=_HEADER_TAG) for d in dst_ranks], timeout, dst_ranks, "")
+        tag = _FIRST_TAG
+        for (path, _), tensor in zip(((p, v) for p, v in flat if isinstance(v, torch.Tensor)), tensors):
+            tag = self._send_tensor(tensor, _keystr(path), dst_ranks, tag, timeout)
+
+    def _send_tensor(self, tensor: torch.Tensor, key: str, dst_ranks: list[int], tag: int, timeout: timedelta) -> int:
+        data = _bytes_of(tensor.detach().contiguous()).to(self._device)
+        for start in range(0, data.numel(), self._chunk):
+            chunk = data[start : start + self._chunk]
+            digest = torch.tensor([_xxh3(self._checked(chunk))], dtype=torch.int64, device=self._device)
+            works = [self._pg.send([chunk], d, tag=tag) for d in dst_ranks]
+            works += [self._pg.send([digest], d, tag=tag + 1) for d in dst_ranks]
+            self._wait(works, timeout, dst_ranks, key)
+            tag += 2
+        return tag
+
+    def _checked(self, chunk: torch.Tensor) -> torch.Tensor:
+        """What the checksum is computed over: the bytes sent (a hook for tests that damage them in transit)."""
+        return chunk
+
+    def _wait(self, works: list[Any], timeout: timedelta, ranks: list[int], key: str) -> None:
+        for work in works:
+            try:
+                work.wait(timeout)
+            except Exception as exc:  # noqa: BLE001 - named and re-raised
+                what = f" of {key!r}" if key else ""
+                raise CheckpointTimeoutError(
+                    f"sending the state{what} to rank(s) {ranks} timed out or failed after "
+                    f"{timeout.total_seconds():g} s: {exc}",
+                    missing=ranks,
+                    round="torchft checkpoint transfer",
+                ) from None
+
+    # ------------------------------------------------------------------ receiving
+    def _recv_header(self, src: int, timeout: timedelta) -> dict:
+        length = torch.zeros(1, dtype=torch.int64, device=self._device)
+        _recv(self._pg, length, src, _HEADER_LENGTH_TAG, timeout, "the description of the state dict")
+        n = int(length.item())
+        if not 0 < n < 1 << 32:
+            raise CorruptCheckpointError(f"rank {src} announced a state-dict description of {n} bytes")
+        raw = torch.empty(n, dtype=torch.uint8, device=self._device)
+        _recv(self._pg, raw, src, _HEADER_TAG, timeout, "the description of the state dict")
+        header = load_plain_pickle(raw.cpu().numpy().tobytes(), f"the state dict rank {src} describes")
+        if not isinstance(header, dict) or not {"step", "treespec", "leaves"} <= set(header):
+            raise CorruptCheckpointError(f"rank {src} sent a state-dict description without step, treespec, leaves")
+        return header
+
+
+class _Receiver:
+    """Receives the tensors one ``recv_checkpoint`` expects, in the order they were sent."""
+
+    def __init__(self, transport: ShardpointTransport, src: int, timeout: timedelta):
+        self.transport, self.src, self.timeout = transport, src, timeout
+        self.tag = _FIRST_TAG
+        self.staging: torch.Tensor | None = None
+
+    def leaf(self, leaf: dict, own: dict) -> Any:
+        kind = leaf.get("kind")
+        if kind == "value":
+            return leaf["value"]
+        if kind not in ("tensor", "dtensor"):
+            raise CorruptCheckpointError(f"rank {self.src} sent a leaf of unknown kind {kind!r}")
+        target = _in_place_target(own, leaf, self.transport._device)
+        if target is None:
+            local = torch.empty(leaf["shape"], dtype=_dtype(leaf["dtype"]), device=self.transport._device)
+        else:
+            local = _local(target)
+        self._fill(local, leaf)
+        if kind == "tensor":
+            return target if target is not None else local
+        return target if target is not None else _dtensor(local, leaf)
+
+    def _fill(self, local: torch.Tensor, leaf: dict) -> None:
+        key, nbytes = leaf["key"], int(leaf["nbytes"])
+        direct = local.is_contiguous()
+        data = _bytes_of(local) if direct else torch.empty(nbytes, dtype=torch.uint8, device=local.device)
+        if data.numel() != nbytes:
+            raise CorruptCheckpointError(f"{key!r} from rank {self.src}: {nbytes} bytes sent, {data.numel()} here")
+        chunk_bytes = self.transport._chunk
+        for start in range(0, nbytes, chunk_bytes):
+            piece = data[start : start + chunk_bytes]
+            digest = torch.zeros(1, dtype=torch.int64, device=piece.device)
+            pg, what = self.transport._pg, f"bytes {start}:{start + piece.numel()} of {key!r}"
+            _recv(pg, piece, self.src, self.tag, self.timeout, what)
+            _recv(pg, digest, self.src, self.tag + 1, self.timeout, f"the checksum of {what}")
+            self.tag += 2
+            if _xxh3(piece) != int(digest.item()):
+                raise CorruptCheckpointError(
+                    f"{what} from rank {self.src} do not match their checksum (XXH3-64): damaged in transit; "
+                    "the recovering rank must fetch them again (from another replica, or load a checkpoint)"
+                )
+        if not direct:
+            local.copy_(data.view(local.dtype).view(local.shape))
+
+
+def _recv(pg: Any, tensor: torch.Tensor, src: int, tag: int, timeout: timedelta, what: str) -> None:
+    try:
+        pg.recv([tensor], src, tag=tag).wait(timeout)
+    except Exception as exc:  # noqa: BLE001 - named and re-raised
+        raise CheckpointTimeoutError(
+            f"receiving {what} from rank {src} timed out or failed after {timeout.total_seconds():g} s "
+            f"(the sender stopped, or died): {exc}",
+            missing=[src],
+            round="torchft checkpoint transfer",
+        ) from None
+
+
+# ---------------------------------------------------------------------- what a leaf says
+def _describe(path: Any, value: Any) -> dict:
+    key = _keystr(path)
+    if not isinstance(value, torch.Tensor):
+        return {"kind": "value", "key": key, "value": value}
+    local = _local(value)
+    leaf = {
+        "kind": "tensor",
+        "key": key,
+        "shape": list(local.shape),
+        "dtype": str(local.dtype).removeprefix("torch."),
+        "nbytes": local.numel() * local.element_size(),
+    }
+    if local is not value:  # a DTensor: its mesh and placements, by name
+        mesh = value.device_mesh
+        leaf.update(
+            kind="dtensor",
+            mesh_device=mesh.device_type,
+            mesh=mesh.mesh.tolist(),
+            mesh_names=list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+            placements=[_placement(p) for p in value.placements],
+            global_shape=list(value.shape),
+            global_stride=list(value.stride()),
+        )
+    return leaf
+
+
+def _placement(p: Any) -> list:
+    fields = {name: getattr(p, name) for name in ("dim", "split_factor", "reduce_op") if hasattr(p, name)}
+    return [type(p).__name__, fields]
+
+
+def _dtensor(local: torch.Tensor, leaf: dict) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, placement_types
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    known = {"Shard", "Replicate", "Partial", "_StridedShard"}
+    placements = []
+    for name, fields in leaf["placements"]:
+        if name not in known:
+            raise CorruptCheckpointError(f"{leaf['key']!r}: unknown DTensor placement {name!r}")
+        placements.append(getattr(placement_types, name)(**fields))
+    names = tuple(leaf["mesh_names"]) if leaf["mesh_names"] else None
+    try:  # the same mesh, without creating its process groups (a collective this rank may not share)
+        mesh = DeviceMesh(leaf["mesh_device"], torch.tensor(leaf["mesh"]), mesh_dim_names=names, _init_backend=False)
+    except TypeError:  # a torch without the option
+        mesh = DeviceMesh(leaf["mesh_device"], torch.tensor(leaf["mesh"]), mesh_dim_names=names)
+    meta = TensorMeta(torch.Size(leaf["global_shape"]), tuple(leaf["global_stride"]), local.dtype)
+    # the spec as sent, as torchft's PGTransport rebuilds it: from_local would re-derive the local shape
+    # from this rank's place in the mesh, which a recovering rank of another replica group may not be in
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def _in_place_target(own: dict, leaf: dict, device: torch.device) -> torch.Tensor | None:
+    """The recovering rank's own tensor for this key, when it can take the bytes as they are."""
+    for path, value in own.items():
+        if _keystr(path) != leaf["key"] or not isinstance(value, torch.Tensor):
+            continue
+        local = _local(value)
+        same = (
+            list(local.shape) == leaf["shape"]
+            and str(local.dtype).removeprefix("torch.") == leaf["dtype"]
+            and local.device.type == device.type
+            and (leaf["kind"] == "dtensor") == (local is not value)
+        )
+        if same:
+            return value
+        log.warning("%s: the recovering rank's tensor differs from the one sent; a new one is received", leaf["key"])
+    return None
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value._local_tensor if hasattr(value, "_local_tensor") else value
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor's bytes (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _xxh3(data: torch.Tensor) -> int:
+    host = data if data.device.type == "cpu" else data.cpu()
+    value = xxhash.xxh3_64_intdigest(memoryview(host.numpy()))
+    return value - (1 << 64) if value >= 1 << 63 else value  # as an int64 tensor holds it
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in a state-dict description")
+    return dtype
+
+
+def _keystr(path: Any) -> str:
+    from torch.utils._pytree import keystr
+
+    return keystr(path)
