@@ -45,8 +45,9 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import xxhash
