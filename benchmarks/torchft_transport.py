@@ -82,6 +82,19 @@ def _round(kind: str, state: dict, own: dict | None) -> dict[str, float]:
     return {"transfer s": done["at"] - start, "blocked s": blocked, "step s": step}
 
 
+def _raw(state: dict) -> float:
+    """The limit: the same bytes by plain send/recv on the same kind of group, nothing checked or described."""
+    groups = _groups()
+    targets = [torch.empty_like(v) for v in state.values()]
+    start = time.perf_counter()
+    works = [groups[0].send([v], 1, tag=i) for i, v in enumerate(state.values())]
+    for i, t in enumerate(targets):
+        groups[1].recv([t], 0, tag=i).wait(TIMEOUT)
+    for w in works:
+        w.wait(TIMEOUT)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256)
@@ -93,20 +106,27 @@ def main() -> None:
     own = {k: torch.zeros_like(v) for k, v in state.items()}
     rows: dict[str, list[dict[str, float]]] = {"shardpoint": [], "shardpoint in place": [], "PGTransport": []}
     alone = []
+    raw = []
     for _ in range(args.repeat):
         alone.append(_step())
+        raw.append(_raw(state))
         rows["PGTransport"].append(_round("pg", state, None))
         rows["shardpoint"].append(_round("shardpoint", state, None))
         rows["shardpoint in place"].append(_round("shardpoint", state, own))
     base = rows["PGTransport"]
-    print(f"{args.mib} MiB over gloo loopback, {args.repeat} rounds; a step alone {statistics.median(alone):.3f} s")
+    limit = statistics.median(raw)
+    print(
+        f"{args.mib} MiB over gloo loopback, {args.repeat} rounds; a step alone {statistics.median(alone):.3f} s; "
+        f"raw send/recv {limit:.3f} s ({args.mib / 1024 / limit:.2f} GiB/s)"
+    )
     for name, found in rows.items():
         ratio = statistics.median(r["transfer s"] / b["transfer s"] for r, b in zip(found, base))
         step = statistics.median(r["step s"] / a for r, a in zip(found, alone))
         blocked = statistics.median(r["blocked s"] for r in found)
         transfer = statistics.median(r["transfer s"] for r in found)
         print(
-            f"{name:20s} transfer {transfer:.3f} s ({ratio:.2f}x PGTransport), send_checkpoint blocks "
+            f"{name:20s} transfer {transfer:.3f} s ({ratio:.2f}x PGTransport, {transfer / limit:.2f}x raw), "
+            f"send_checkpoint blocks "
             f"{blocked * 1e3:.1f} ms, the next step takes {step:.2f}x its time alone"
         )
 

@@ -1,0 +1,126 @@
+"""A replica group under torchft fails mid-run and heals from the healthy one through ShardpointTransport.
+
+Modelled on torchft's own ``manager_integ_test.test_ddp_recovery`` (its wheel's test needs
+``parameterized``, which torchft does not install): two replica groups of one rank, in
+threads, a real lighthouse (``LighthouseServer`` from the torchft wheel), a real
+``Manager`` and gloo process group each, torchft's ``DistributedDataParallel`` and
+``OptimizerWrapper``. Replica 1 raises at step 2, starts again from a model initialised
+with another seed, and must get the healthy replica's state over the transport: at the
+end both replicas hold the same weights and Adam state, bit for bit, and the transport
+moved every tensor (counted).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+from torch import nn  # noqa: E402
+from torch.distributed import TCPStore  # noqa: E402
+from torchft.coordination import LighthouseServer  # noqa: E402
+from torchft.ddp import DistributedDataParallel  # noqa: E402
+from torchft.manager import Manager  # noqa: E402
+from torchft.optim import OptimizerWrapper  # noqa: E402
+from torchft.process_group import ProcessGroupGloo  # noqa: E402
+
+from shardpoint.integrations.torchft import ShardpointTransport  # noqa: E402
+
+STEPS = 5
+_SEED_LOCK = threading.Lock()
+
+
+class _Failure(Exception):
+    pass
+
+
+class _Counting(ShardpointTransport):
+    received: list[int] = []
+
+    def recv_checkpoint(self, src_rank, metadata, step, timeout):
+        got = super().recv_checkpoint(src_rank, metadata, step, timeout)
+        self.received.append(step)
+        return got
+
+
+def _replica(replica_id: int, lighthouse: str, fail_at: int | None, seed: int) -> dict:
+    store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo()
+    transport = _Counting(pg, timeout=timedelta(seconds=20), device=torch.device("cpu"))
+    with _SEED_LOCK:  # the threads share torch's generator
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def state_dict():
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    def load_state_dict(state):
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+
+    manager = Manager(
+        pg=pg,
+        min_replica_size=2,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=str(replica_id),
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        port=0,
+        timeout=timedelta(seconds=20),
+        checkpoint_transport=transport,
+    )
+    try:
+        ddp = DistributedDataParallel(manager, model)
+        optimizer = OptimizerWrapper(manager, torch.optim.Adam(model.parameters()))
+        while manager.current_step() < STEPS:
+            step = manager.current_step()
+            g = torch.Generator().manual_seed(step)  # every replica sees the same batch at a step
+            inputs, labels = torch.rand(2, 3, generator=g), torch.randint(4, (2,), generator=g)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(inputs), labels).backward()
+            optimizer.step()
+            if fail_at is not None and manager.current_step() == fail_at:
+                raise _Failure(f"replica {replica_id} fails at step {fail_at}")
+        return state_dict()
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _run_replica(replica_id: int, lighthouse: str, fail_at: int | None) -> dict:
+    try:
+        return _replica(replica_id, lighthouse, fail_at, seed=0)
+    except _Failure:
+        return _replica(replica_id, lighthouse, None, seed=1234)  # the replacement: another initialisation
+
+
+def test_a_failed_replica_heals_from_the_healthy_one_bit_for_bit():
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    _Counting.received = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(_run_replica, r, lighthouse.address(), 2 if r == 1 else None) for r in range(2)]
+            healthy, healed = (f.result(timeout=120) for f in futures)
+    finally:
+        lighthouse.shutdown()
+    assert _Counting.received, "the replacement never received a checkpoint"
+    flat_a, flat_b = _flatten(healthy), _flatten(healed)
+    assert flat_a.keys() == flat_b.keys()
+    for key, value in flat_a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, flat_b[key]), key
+        else:
+            assert value == flat_b[key], key
+
+
+def _flatten(state: dict) -> dict:
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    return {keystr(path): value for path, value in tree_flatten_with_path(state)[0]}
