@@ -7,7 +7,7 @@ threads, a real lighthouse (``LighthouseServer`` from the torchft wheel), a real
 ``OptimizerWrapper``. Replica 1 raises at step 2, starts again from a model initialised
 with another seed, and must get the healthy replica's state over the transport: at the
 end both replicas hold the same weights and Adam state, bit for bit, and the transport
-moved every tensor (counted).
+records the heal (its step, sender and bytes).
 """
 
 from __future__ import annotations
@@ -38,19 +38,14 @@ class _Failure(Exception):
     pass
 
 
-class _Counting(ShardpointTransport):
-    received: list[int] = []
-
-    def recv_checkpoint(self, src_rank, metadata, step, timeout):
-        got = super().recv_checkpoint(src_rank, metadata, step, timeout)
-        self.received.append(step)
-        return got
+TRANSPORTS: list[ShardpointTransport] = []
 
 
 def _replica(replica_id: int, lighthouse: str, fail_at: int | None, seed: int) -> dict:
     store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo()
-    transport = _Counting(pg, timeout=timedelta(seconds=20), device=torch.device("cpu"))
+    transport = ShardpointTransport(pg, timeout=timedelta(seconds=20), device=torch.device("cpu"))
+    TRANSPORTS.append(transport)
     with _SEED_LOCK:  # the threads share torch's generator
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -103,14 +98,15 @@ def _run_replica(replica_id: int, lighthouse: str, fail_at: int | None) -> dict:
 
 def test_a_failed_replica_heals_from_the_healthy_one_bit_for_bit():
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-    _Counting.received = []
+    TRANSPORTS.clear()
     try:
         with ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(_run_replica, r, lighthouse.address(), 2 if r == 1 else None) for r in range(2)]
             healthy, healed = (f.result(timeout=120) for f in futures)
     finally:
         lighthouse.shutdown()
-    assert _Counting.received, "the replacement never received a checkpoint"
+    heals = [heal for t in TRANSPORTS for heal in t.received]
+    assert heals and heals[0]["from rank"] == 0 and heals[0]["bytes"] > 0, heals  # the state came over the wire
     flat_a, flat_b = _flatten(healthy), _flatten(healed)
     assert flat_a.keys() == flat_b.keys()
     for key, value in flat_a.items():
@@ -124,3 +120,25 @@ def _flatten(state: dict) -> dict:
     from torch.utils._pytree import keystr, tree_flatten_with_path
 
     return {keystr(path): value for path, value in tree_flatten_with_path(state)[0]}
+
+
+def test_a_replica_group_killed_with_sigkill_is_replaced_and_ends_as_an_uninterrupted_run(tmp_path):
+    """examples/torchft_ddp.py: two processes, replica 1 SIGKILLed at step 5, a replacement from another seed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "torchft_ddp.py")
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, example, "--steps", "10", "--kill-at", "4", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["same"] is True  # both replicas end bit for bit as the run without a failure
+    assert result["killed at step"] >= 4 and result["healed"][0]["from rank"] == 0
+    assert result["healed"][0]["bytes"] > 0

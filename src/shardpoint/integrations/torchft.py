@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -90,6 +91,7 @@ class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
     ) -> None:
         self._pg, self._timeout, self._device = pg, timeout, torch.device(device)
         self._state_dict, self._chunk = state_dict, int(chunk_bytes)
+        self.received: list[dict[str, Any]] = []  # per heal: step, sender, bytes, seconds (what moved, and how fast)
         self._sending: list[threading.Thread] = []
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -123,13 +125,21 @@ class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
         """Receive the state dict ``src_rank`` sends for ``step``, checked chunk by chunk."""
         from torch.utils._pytree import tree_flatten_with_path, tree_unflatten, treespec_loads
 
+        start = time.perf_counter()
         header = self._recv_header(src_rank, timeout)
         if header["step"] != step:
             raise CheckpointError(f"rank {src_rank} sent the state of step {header['step']}, not of step {step}")
         own = dict(tree_flatten_with_path(self._state_dict())[0]) if self._state_dict else {}
         receiver = _Receiver(self, src_rank, timeout)
         values = [receiver.leaf(leaf, own) for leaf in header["leaves"]]
-        return tree_unflatten(values, treespec_loads(header["treespec"]))
+        state = tree_unflatten(values, treespec_loads(header["treespec"]))
+        moved = sum(int(leaf.get("nbytes", 0)) for leaf in header["leaves"])
+        seconds = time.perf_counter() - start
+        self.received.append({"step": step, "from rank": src_rank, "bytes": moved, "seconds": seconds})
+        log.info(
+            "healed: step %d from rank %d, %d bytes in %.3f s, every chunk checked", step, src_rank, moved, seconds
+        )
+        return state
 
     def shutdown(self, wait: bool = True) -> None:
         if wait:
