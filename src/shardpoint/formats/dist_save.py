@@ -37,7 +37,7 @@ from shardpoint.formats.dist_replay import SavePlanCache, write_metadata, write_
 from shardpoint.formats.metadata_records import RankRecords, assemble, encode
 from shardpoint.parallel import comm
 
-__all__ = ["finish", "local_plan", "write"]
+__all__ = ["finish", "local_plan", "save_with_dcp", "write"]
 
 
 def write(ctx: FormatContext, writer: Any, planner: Any, state_dict: dict[str, Any], fingerprint: str | None) -> None:
@@ -52,18 +52,23 @@ def write(ctx: FormatContext, writer: Any, planner: Any, state_dict: dict[str, A
     if cache is None or ctx.replicas is None:
         if cache is not None:
             cache.clear()  # nothing to replay from a save planned by DCP
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=planner,
-            process_group=ctx.process_group or comm.control_group(),
-            no_dist=not comm.initialized(),
-        )
+        save_with_dcp(ctx, writer, planner, state_dict)
         return
     plan = local_plan(planner, ctx.replicas.written_elsewhere, rank)
     results = write_with_plan(writer, planner, state_dict, plan, rank)
     ctx.for_coordinator = encode(plan.items, results)
     cache.captured.update(fingerprint=fingerprint, plan=plan, results=results)
+
+
+def save_with_dcp(ctx: FormatContext, writer: Any, planner: Any, state_dict: dict[str, Any]) -> None:
+    """``dcp.save`` with its central planning, on the save's group (the control group unless an async one)."""
+    dcp.save(
+        state_dict,
+        storage_writer=writer,
+        planner=planner,
+        process_group=ctx.process_group or comm.control_group(),
+        no_dist=not comm.initialized(),
+    )
 
 
 def local_plan(planner: Any, written_elsewhere: frozenset, rank: int) -> SavePlan:

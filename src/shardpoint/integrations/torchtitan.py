@@ -96,6 +96,7 @@ from shardpoint.checkpointer import default_thread_count
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.formats import FormatContext
 from shardpoint.formats.dist import DCP_METADATA, ShardSavePlanner, dcp_reader, dcp_writer
+from shardpoint.formats.dist_save import save_with_dcp
 from shardpoint.lifecycle.load_pipeline import verify_share
 from shardpoint.lifecycle.policy import preservation_policies
 from shardpoint.lifecycle.save_pipeline import SavePipeline
@@ -185,13 +186,7 @@ class TorchtitanFormat:
         state_dict = {**{key: shard.tensor for key, shard in flat.tensors.items()}, **objects}
         writer = dcp_writer(ctx.storage, ctx.directory, ctx.thread_count)
         with _dcp_errors(ctx.directory):
-            dcp.save(
-                state_dict,
-                storage_writer=writer,
-                planner=planner,
-                process_group=ctx.process_group or comm.control_group(),
-                no_dist=not comm.initialized(),
-            )
+            save_with_dcp(ctx, writer, planner, state_dict)  # never replayed: every save plans afresh
         return writer.records()
 
     def fingerprint(self, ctx: FormatContext, flat: FlatState) -> str | None:
