@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch
 from torch.distributed import TCPStore
+from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.process_group import ProcessGroupGloo
 
@@ -57,28 +58,31 @@ def _step() -> float:
 def _round(kind: str, state: dict, own: dict | None) -> dict[str, float]:
     groups = _groups()
     options = {"state_dict": (lambda: own)} if own is not None else {}
-    cls = ShardpointTransport if kind == "shardpoint" else PGTransport
-    sender = cls(groups[0], timeout=TIMEOUT, device=torch.device("cpu"))
-    receiver = cls(groups[1], timeout=TIMEOUT, device=torch.device("cpu"), **options)
+    if kind == "http":
+        sender, receiver = HTTPTransport(TIMEOUT, num_chunks=0), HTTPTransport(TIMEOUT, num_chunks=0)
+    else:
+        cls = ShardpointTransport if kind == "shardpoint" else PGTransport
+        sender = cls(groups[0], timeout=TIMEOUT, device=torch.device("cpu"))
+        receiver = cls(groups[1], timeout=TIMEOUT, device=torch.device("cpu"), **options)
     done = {}
 
     def recover() -> None:
-        receiver.recv_checkpoint(0, "<n/a>", step=1, timeout=TIMEOUT)
+        receiver.recv_checkpoint(0, sender.metadata(), step=1, timeout=TIMEOUT)
         done["at"] = time.perf_counter()
 
     thread = threading.Thread(target=recover)
     start = time.perf_counter()
     thread.start()
-    if kind == "shardpoint":
-        sender.send_checkpoint([1], step=1, state_dict=state, timeout=TIMEOUT)
-        blocked = time.perf_counter() - start
-        step = _step()  # the healthy rank's next step, while the transfer goes on
+    sender.send_checkpoint([1], step=1, state_dict=state, timeout=TIMEOUT)  # PGTransport: blocks until sent
+    blocked = time.perf_counter() - start
+    step = _step()  # the healthy rank's next step, while the transfer goes on (if it still does)
+    if kind != "http":  # HTTPTransport serves until disallowed: that waits for nobody's receive
         sender.disallow_checkpoint()
-    else:  # PGTransport blocks until every byte is sent
-        sender.send_checkpoint([1], step=1, state_dict=state, timeout=TIMEOUT)
-        blocked = time.perf_counter() - start
-        step = _step()
     thread.join()
+    if kind == "http":
+        sender.disallow_checkpoint()
+        for transport in (sender, receiver):
+            transport.shutdown(wait=False)
     return {"transfer s": done["at"] - start, "blocked s": blocked, "step s": step}
 
 
@@ -104,7 +108,12 @@ def main() -> None:
     n = args.mib * (1 << 20) // 4 // 16
     state = {f"layer.{i}": torch.randn(n) for i in range(16)}
     own = {k: torch.zeros_like(v) for k, v in state.items()}
-    rows: dict[str, list[dict[str, float]]] = {"shardpoint": [], "shardpoint in place": [], "PGTransport": []}
+    rows: dict[str, list[dict[str, float]]] = {
+        "shardpoint": [],
+        "shardpoint in place": [],
+        "PGTransport": [],
+        "HTTPTransport": [],
+    }
     alone = []
     raw = []
     for _ in range(args.repeat):
@@ -113,6 +122,7 @@ def main() -> None:
         rows["PGTransport"].append(_round("pg", state, None))
         rows["shardpoint"].append(_round("shardpoint", state, None))
         rows["shardpoint in place"].append(_round("shardpoint", state, own))
+        rows["HTTPTransport"].append(_round("http", state, None))
     base = rows["PGTransport"]
     limit = statistics.median(raw)
     print(
