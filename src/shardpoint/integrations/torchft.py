@@ -61,7 +61,7 @@ try:
 except ImportError:  # pragma: no cover - torchft is optional
     CheckpointTransport = object  # type: ignore[assignment,misc]
 
-__all__ = ["ShardpointTransport"]
+__all__ = ["ShardpointTransport", "recovered_from", "resume"]
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +277,42 @@ def _recv(pg: Any, tensor: torch.Tensor, src: int, tag: int, timeout: timedelta,
             missing=[src],
             round="torchft checkpoint transfer",
         ) from None
+
+
+# ---------------------------------------------------------------------- with a Checkpointer
+def resume(manager: Any, checkpointer: Any, state: Any) -> Any:
+    """Load this replica group's newest checkpoint, then tell torchft's Manager the step it is at.
+
+    The Checkpointer chooses as always: its local tier when that holds the newest
+    complete checkpoint, else the persistent store (at any layout). The Manager then
+    compares the step with the other replica groups' at its first quorum: a group that
+    is behind a healthy one heals from it over the transport, so a replacement takes the
+    healthy groups' current state, and a job whose groups all restarted resumes from
+    the checkpoint. Call it before the first step; :func:`recovered_from` says after the
+    first step which it was. Returns the ``LoadResult`` (None on a fresh start).
+    ``TrainState.extra["batches_committed"]`` (saved by the caller) is restored too.
+    """
+    result = checkpointer.load(state)
+    if result is not None:
+        committed = int(result.extra.get("batches_committed", 0))
+        manager.load_state_dict({"step": result.iteration, "batches_committed": committed})
+    return result
+
+
+def recovered_from(result: Any, transport: ShardpointTransport, since: int = 0) -> tuple[str, str]:
+    """Where this rank's state came from: ``(tier, source)``.
+
+    ``"replica group"`` when the transport healed it (after ``since`` earlier heals),
+    else the load's ``LoadResult.tier`` and ``source`` (``"local"``, ``"peer"``,
+    ``"persistent"``), or ``("none", "a fresh start")``.
+    """
+    heals = transport.received[since:]
+    if heals:
+        last = heals[-1]
+        return "replica group", f"rank {last['from rank']} of a healthy replica group, at step {last['step']}"
+    if result is None:
+        return "none", "a fresh start"
+    return result.tier, result.source
 
 
 # ---------------------------------------------------------------------- what a leaf says

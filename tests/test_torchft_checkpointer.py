@@ -1,0 +1,144 @@
+"""torchft and a Checkpointer together (issue 35 item 2): healed from a peer, else the local tier, else persistent.
+
+Two replica groups of one rank each, in threads, with a real lighthouse, ``Manager`` and
+gloo groups; each group has its own Checkpointer (persistent directory, and a local tier
+in a directory of its own). Every group sees the same batch at a step, so all runs end
+on the same weights whoever took part.
+
+1. Replica 1 fails at step 5; its replacement resumes from its local tier (step 4) and
+   the Manager heals it from replica 0, which is ahead: ``recovered_from`` says
+   "replica group", and both end equal.
+2. Both groups stop at step 7 and start again: each resumes from its own local tier
+   (step 6, newer than the persistent step 4), no heal.
+3. The local tiers are gone (new machines): each resumes from its persistent store
+   (step 8), and ends as a run that never failed nor stopped.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+from torch import nn  # noqa: E402
+from torch.distributed import TCPStore  # noqa: E402
+from torchft.coordination import LighthouseServer  # noqa: E402
+from torchft.ddp import DistributedDataParallel  # noqa: E402
+from torchft.manager import Manager  # noqa: E402
+from torchft.optim import OptimizerWrapper  # noqa: E402
+from torchft.process_group import ProcessGroupGloo  # noqa: E402
+
+import shardpoint as sp  # noqa: E402
+from shardpoint.integrations.torchft import ShardpointTransport, recovered_from, resume  # noqa: E402
+
+_SEED_LOCK = threading.Lock()
+
+
+class _Failure(Exception):
+    pass
+
+
+def _group(root, replica_id: int, lighthouse: str, steps: int, fail_at: int | None, seed: int) -> dict:
+    store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo()
+    transport = ShardpointTransport(pg, timeout=timedelta(seconds=20), device=torch.device("cpu"))
+    with _SEED_LOCK:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    state = sp.TrainState(model, optimizer)
+    ckpt = sp.Checkpointer(
+        str(root / f"persistent{replica_id}"),
+        local_dir=str(root / f"local{replica_id}"),
+        save_interval=4,
+        local_interval=2,
+        keep_last=0,
+    )
+
+    def state_dict():
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    def load_state_dict(loaded):
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optim"])
+
+    manager = Manager(
+        pg=pg,
+        min_replica_size=2,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=str(replica_id),
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        port=0,
+        timeout=timedelta(seconds=20),
+        checkpoint_transport=transport,
+    )
+    try:
+        result = resume(manager, ckpt, state)
+        ddp = DistributedDataParallel(manager, model)
+        wrapped = OptimizerWrapper(manager, optimizer)
+        source = None
+        while manager.current_step() < steps:
+            g = torch.Generator().manual_seed(manager.current_step())
+            inputs, labels = torch.rand(2, 3, generator=g), torch.randint(4, (2,), generator=g)
+            wrapped.zero_grad()
+            nn.functional.cross_entropy(ddp(inputs), labels).backward()
+            wrapped.step()
+            source = source or recovered_from(result, transport)  # after the first step: healed or not
+            state.extra["batches_committed"] = manager.batches_committed()
+            ckpt.maybe_save(manager.current_step(), state)
+            if fail_at is not None and manager.current_step() >= fail_at:
+                raise _Failure(f"replica {replica_id} fails at step {fail_at}")
+        return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "source": source}
+    finally:
+        manager.shutdown(wait=False)
+        ckpt.close()
+
+
+def _run(root, steps: int, fail_replica_1_at: int | None = None) -> list[dict]:
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+
+    def replica(r: int) -> dict:
+        fail_at = fail_replica_1_at if r == 1 else None
+        try:
+            return _group(root, r, lighthouse.address(), steps, fail_at, seed=0)
+        except _Failure:
+            return _group(root, r, lighthouse.address(), steps, None, seed=1234)  # the replacement
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            return [f.result(timeout=120) for f in [pool.submit(replica, r) for r in range(2)]]
+    finally:
+        lighthouse.shutdown()
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_healed_from_a_peer_else_the_local_tier_else_the_persistent_store(tmp_path):
+    first = _run(tmp_path, 7, fail_replica_1_at=5)  # local copies at 2, 4, 6; persistent at 4
+    assert first[0]["source"] == ("none", "a fresh start")
+    assert first[1]["source"][0] == "replica group"  # behind the healthy group: healed over the transport
+    assert _equal(first[0]["state"], first[1]["state"])
+
+    again = _run(tmp_path, 10)  # every group restarts from its step 6: nobody is ahead; persistent at 8
+    assert [r["source"][0] for r in again] == ["local", "local"]
+    assert _equal(again[0]["state"], again[1]["state"])
+
+    for r in range(2):
+        shutil.rmtree(tmp_path / f"local{r}")  # new machines: no local copies
+    last = _run(tmp_path, 12)
+    assert [r["source"][0] for r in last] == ["persistent", "persistent"]
+    assert _equal(last[0]["state"], last[1]["state"])
+    uninterrupted = _run(tmp_path / "clean", 12)
+    assert _equal(last[0]["state"], uninterrupted[0]["state"])  # as if nothing had failed or stopped
