@@ -151,6 +151,27 @@ def run(steps: int, kill_at: int | None, folder: str) -> dict:
     return found
 
 
+def _show(faulty: dict, healed: list[dict], same: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="one replica group killed with SIGKILL, replaced, healed from the other")
+    table.add_column("what")
+    table.add_column("found")
+    heal = healed[0] if healed else {}
+    rows = [
+        ("replica 1 killed at step", str(faulty["killed at step"])),
+        ("steps the healthy replica redid (its update not committed)", str(faulty["healthy replica's steps redone"])),
+        ("the replacement healed from", f"rank {heal['from rank']} at step {heal['step']}" if heal else "nothing"),
+        ("time to heal (receive and check every chunk)", f"{heal.get('seconds', 0):.3f} s"),
+        ("bytes moved", str(heal.get("bytes", 0))),
+        ("final weights equal a run without a failure", "yes" if same else "NO"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
@@ -169,11 +190,7 @@ def main() -> int:
     reference = clean["replicas"][0]["weights"]
     same = all(r["weights"] == reference for r in faulty["replicas"])
     healed = faulty["healed"]
-    print(f"replica 1 killed (SIGKILL) at step {faulty['killed at step']}; its replacement started at step 0")
-    print(f"the replacement healed from replica 0: {healed}")
-    first, redone = faulty["replacement's first step"], faulty["healthy replica's steps redone"]
-    print(f"its first training step took it to step {first}; replica 0 never stopped and redid {redone} step(s)")
-    print(f"final weights of both replicas equal those of the run without a failure: {same}")
+    _show(faulty, healed, same)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"same": same, **{k: v for k, v in faulty.items() if k != "replicas"}}, f, indent=1)
