@@ -25,16 +25,16 @@ import pytest
 import torch
 
 pytest.importorskip("torchft")
-from torch import nn  # noqa: E402
-from torch.distributed import TCPStore  # noqa: E402
-from torchft.coordination import LighthouseServer  # noqa: E402
-from torchft.ddp import DistributedDataParallel  # noqa: E402
-from torchft.manager import Manager  # noqa: E402
-from torchft.optim import OptimizerWrapper  # noqa: E402
-from torchft.process_group import ProcessGroupGloo  # noqa: E402
+from torch import nn
+from torch.distributed import TCPStore
+from torchft.coordination import LighthouseServer
+from torchft.ddp import DistributedDataParallel
+from torchft.manager import Manager
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ProcessGroupGloo
 
-import shardpoint as sp  # noqa: E402
-from shardpoint.integrations.torchft import ShardpointTransport, recovered_from, resume  # noqa: E402
+import shardpoint as sp
+from shardpoint.integrations.torchft import ShardpointTransport, recovered_from, resume
 
 _SEED_LOCK = threading.Lock()
 
