@@ -26,15 +26,17 @@ same arguments) that:
   are received straight into the existing tensors, chunk by chunk;
 * **does not hold up the healthy ranks**: ``send_checkpoint`` returns at once and
   sends from a background thread; torchft calls ``disallow_checkpoint`` before the
-  optimizer changes the state, which waits for the sends and raises their errors.
+  optimizer changes the state, which waits for the sends. A failed send never stops
+  the healthy rank: it is logged and kept in ``send_errors``, and the recovering rank's
+  receive fails by itself, naming the sender.
   Several recovering ranks are served by one pass over the state: each chunk is sent
   to all of them before the next.
 
 Memory: the sender sends contiguous tensors as they are (a contiguous copy of one
-tensor at a time otherwise, and a ``chunk_bytes`` host buffer to hash device
-tensors); the receiver allocates only the tensors it has no place for (none when
-receiving in place) and one ``chunk_bytes`` buffer. That is the state plus
-``2 × chunk_bytes`` per rank at most.
+tensor at a time otherwise, and a host copy of one chunk at a time to hash a device
+tensor); the receiver allocates only the tensors it has no place for (none when
+receiving in place; a staging copy of one tensor when its own is not contiguous) and
+a host copy of one chunk to hash a device tensor.
 
 Install torchft (``pip install torchft``) to use it; this module imports it lazily,
 only to subclass its ``CheckpointTransport``.
@@ -93,7 +95,7 @@ class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
         self._state_dict, self._chunk = state_dict, int(chunk_bytes)
         self.received: list[dict[str, Any]] = []  # per heal: step, sender, bytes, seconds (what moved, and how fast)
         self._sending: list[threading.Thread] = []
-        self._errors: list[BaseException] = []
+        self.send_errors: list[BaseException] = []  # sends that failed (logged; see disallow_checkpoint)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ torchft's interface
@@ -112,14 +114,18 @@ class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
         self._sending.append(thread)
 
     def disallow_checkpoint(self) -> None:
-        """Wait until every send has finished; raise the first send's error. The state may change after this."""
+        """Wait until every send has finished; the state may change after this.
+
+        A send that failed (the recovering rank died, or stopped receiving) does not
+        raise here: torchft calls this from ``should_commit`` on the healthy ranks, after
+        the step's commit was decided, and an error would stop a healthy replica group
+        for a peer's failure. It is logged and kept in :attr:`send_errors`; the
+        recovering rank's receive fails by itself, naming this rank, and torchft retries
+        the heal at its next quorum.
+        """
         for thread in self._sending:
             thread.join()
         self._sending = []
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         """Receive the state dict ``src_rank`` sends for ``step``, checked chunk by chunk."""
@@ -156,7 +162,7 @@ class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
                 error = CheckpointError(f"sending the state of step {step} to ranks {dst_ranks} failed: {exc!r}")
                 error.__cause__, exc = exc, error
             with self._lock:
-                self._errors.append(exc)
+                self.send_errors.append(exc)
 
     def _send(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         from torch.utils._pytree import tree_flatten_with_path, treespec_dumps
