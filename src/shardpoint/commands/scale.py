@@ -297,6 +297,22 @@ def _coordination_worker(rank: int, world: int, port: int, root: str, repeat: in
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """End a worker that finished without the interpreter's teardown.
+
+    Its result is written and its process group destroyed; what is left is Python's
+    finalisation, in which a worker has aborted now and then with "terminate called
+    without an active exception" (a C++ thread still joinable when its owner is
+    destroyed at exit; seen in CI, not reproduced on demand), failing the whole run.
+    """
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _timed(fn: Any) -> float:
@@ -334,6 +350,7 @@ def _reads_worker(rank: int, world: int, port: int, root: str, tp: int, out: str
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    _leave()
 
 
 class _Sharded(torch.nn.Module):
