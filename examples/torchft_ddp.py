@@ -25,26 +25,25 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 SEED_FIRST, SEED_REPLACEMENT = 0, 1234
 
 
-def replica(replica_id: int, lighthouse: str, steps: int, seed: int, out: str) -> None:
-    """One replica group's training loop; writes its progress and, at the end, its state to ``out``."""
-    from torch import nn
+def replica_manager(replica_id: int, lighthouse: str, model: Any, optimizer: Any, timeout: float = 30) -> tuple:
+    """A torchft ``Manager`` for a replica group of one rank, healing through ShardpointTransport.
+
+    Returns ``(manager, transport, store)``; keep the store alive as long as the manager.
+    A step needs both replica groups (``min_replica_size=2``), so a lone group waits for
+    its peer instead of training on by itself.
+    """
     from torch.distributed import TCPStore
-    from torchft.ddp import DistributedDataParallel
     from torchft.manager import Manager
-    from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
 
     from shardpoint.integrations.torchft import ShardpointTransport
-
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    optimizer = torch.optim.Adam(model.parameters())
 
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
@@ -55,7 +54,7 @@ def replica(replica_id: int, lighthouse: str, steps: int, seed: int, out: str) -
 
     store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo()
-    transport = ShardpointTransport(pg, timeout=timedelta(seconds=30), device=torch.device("cpu"))
+    transport = ShardpointTransport(pg, timeout=timedelta(seconds=timeout), device=torch.device("cpu"))
     manager = Manager(
         pg=pg,
         min_replica_size=2,
@@ -67,9 +66,23 @@ def replica(replica_id: int, lighthouse: str, steps: int, seed: int, out: str) -
         rank=0,
         world_size=1,
         lighthouse_addr=lighthouse,
-        timeout=timedelta(seconds=30),
+        port=0,
+        timeout=timedelta(seconds=timeout),
         checkpoint_transport=transport,
     )
+    return manager, transport, store
+
+
+def replica(replica_id: int, lighthouse: str, steps: int, seed: int, out: str) -> None:
+    """One replica group's training loop; writes its progress and, at the end, its state to ``out``."""
+    from torch import nn
+    from torchft.ddp import DistributedDataParallel
+    from torchft.optim import OptimizerWrapper
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    manager, transport, _store = replica_manager(replica_id, lighthouse, model, optimizer)
     ddp = DistributedDataParallel(manager, model)
     wrapped = OptimizerWrapper(manager, optimizer)
     started = time.perf_counter()

@@ -19,22 +19,19 @@ from __future__ import annotations
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import pytest
 import torch
 
 pytest.importorskip("torchft")
+from examples.torchft_ddp import replica_manager
 from torch import nn
-from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 from torchft.ddp import DistributedDataParallel
-from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
-from torchft.process_group import ProcessGroupGloo
 
 import shardpoint as sp
-from shardpoint.integrations.torchft import ShardpointTransport, recovered_from, resume
+from shardpoint.integrations.torchft import recovered_from, resume
 
 _SEED_LOCK = threading.Lock()
 
@@ -44,9 +41,6 @@ class _Failure(Exception):
 
 
 def _group(root, replica_id: int, lighthouse: str, steps: int, fail_at: int | None, seed: int) -> dict:
-    store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
-    pg = ProcessGroupGloo()
-    transport = ShardpointTransport(pg, timeout=timedelta(seconds=20), device=torch.device("cpu"))
     with _SEED_LOCK:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -59,29 +53,7 @@ def _group(root, replica_id: int, lighthouse: str, steps: int, fail_at: int | No
         local_interval=2,
         keep_last=0,
     )
-
-    def state_dict():
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
-
-    def load_state_dict(loaded):
-        model.load_state_dict(loaded["model"])
-        optimizer.load_state_dict(loaded["optim"])
-
-    manager = Manager(
-        pg=pg,
-        min_replica_size=2,
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        replica_id=str(replica_id),
-        store_addr="localhost",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=lighthouse,
-        port=0,
-        timeout=timedelta(seconds=20),
-        checkpoint_transport=transport,
-    )
+    manager, transport, _store = replica_manager(replica_id, lighthouse, model, optimizer, timeout=20)
     try:
         result = resume(manager, ckpt, state)
         ddp = DistributedDataParallel(manager, model)

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import pytest
 import torch
 
 pytest.importorskip("torchft")
+from examples.torchft_ddp import replica_manager
 from torch import nn
-from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 from torchft.ddp import DistributedDataParallel
-from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
-from torchft.process_group import ProcessGroupGloo
 
 from shardpoint.integrations.torchft import ShardpointTransport
 
@@ -42,49 +39,25 @@ TRANSPORTS: list[ShardpointTransport] = []
 
 
 def _replica(replica_id: int, lighthouse: str, fail_at: int | None, seed: int) -> dict:
-    store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
-    pg = ProcessGroupGloo()
-    transport = ShardpointTransport(pg, timeout=timedelta(seconds=20), device=torch.device("cpu"))
-    TRANSPORTS.append(transport)
     with _SEED_LOCK:  # the threads share torch's generator
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
-
-    def state_dict():
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
-
-    def load_state_dict(state):
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-
-    manager = Manager(
-        pg=pg,
-        min_replica_size=2,
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        replica_id=str(replica_id),
-        store_addr="localhost",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=lighthouse,
-        port=0,
-        timeout=timedelta(seconds=20),
-        checkpoint_transport=transport,
-    )
+    optimizer = torch.optim.Adam(model.parameters())
+    manager, transport, _store = replica_manager(replica_id, lighthouse, model, optimizer, timeout=20)
+    TRANSPORTS.append(transport)
     try:
         ddp = DistributedDataParallel(manager, model)
-        optimizer = OptimizerWrapper(manager, torch.optim.Adam(model.parameters()))
+        wrapped = OptimizerWrapper(manager, optimizer)
         while manager.current_step() < STEPS:
             step = manager.current_step()
             g = torch.Generator().manual_seed(step)  # every replica sees the same batch at a step
             inputs, labels = torch.rand(2, 3, generator=g), torch.randint(4, (2,), generator=g)
-            optimizer.zero_grad()
+            wrapped.zero_grad()
             nn.functional.cross_entropy(ddp(inputs), labels).backward()
-            optimizer.step()
+            wrapped.step()
             if fail_at is not None and manager.current_step() == fail_at:
                 raise _Failure(f"replica {replica_id} fails at step {fail_at}")
-        return state_dict()
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
     finally:
         manager.shutdown(wait=False)
 

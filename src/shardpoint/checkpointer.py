@@ -156,29 +156,8 @@ class Checkpointer:
         self.last_saved_iteration: int | None = None
         self.mirror = RemoteMirror(upload_to, self.layout, self.preservation) if upload_to else None
         self._node = detect_nodes(self.storage, self.root, self.layout, node_local, self.mirror is not None)
-        remote = (self.mirror.storage, self.mirror.root) if self.mirror else (None, None)
-        sources = LoadSources(self.storage, self.root, self.layout, *remote, self._node)
-        self._loader = LoadPipeline(
-            sources,
-            self.topology,
-            config=self.config,
-            allow_config_mismatch=allow_config_mismatch,
-            thread_count=self.thread_count,
-        )
-        self._saver = SavePipeline(
-            self.storage,
-            self.root,
-            layout=self.layout,
-            fmt=self.format,
-            topology=self.topology,
-            config=self.config,
-            preservation=self.preservation,
-            thread_count=self.thread_count,
-            replica_check_interval=replica_check_interval,
-            async_save=async_save,
-            node=self._node,
-            mirror=self.mirror,
-        )
+        self._loader = _load_pipeline(self, allow_config_mismatch)
+        self._saver = _save_pipeline(self, replica_check_interval)
         self.local_tier = _local_tier(local_dir, local_interval, local_keep, local_replicas, self, self.topology)
 
     # what saves cost (see SaveTimes), for trainers that keep it out of their throughput
@@ -378,6 +357,37 @@ def _checked_files(files: Mapping[str, bytes] | None) -> dict[str, bytes]:
             )
         checked[name] = data
     return checked
+
+
+def _load_pipeline(ckpt: Checkpointer, allow_config_mismatch: Iterable[str]) -> LoadPipeline:
+    """The loads of ``ckpt``: from its directory, its upload mirror and its node-local view."""
+    remote = (ckpt.mirror.storage, ckpt.mirror.root) if ckpt.mirror else (None, None)
+    sources = LoadSources(ckpt.storage, ckpt.root, ckpt.layout, *remote, ckpt._node)
+    return LoadPipeline(
+        sources,
+        ckpt.topology,
+        config=ckpt.config,
+        allow_config_mismatch=allow_config_mismatch,
+        thread_count=ckpt.thread_count,
+    )
+
+
+def _save_pipeline(ckpt: Checkpointer, replica_check_interval: int) -> SavePipeline:
+    """The saves of ``ckpt``, into its directory (and, with ``upload_to``, its mirror)."""
+    return SavePipeline(
+        ckpt.storage,
+        ckpt.root,
+        layout=ckpt.layout,
+        fmt=ckpt.format,
+        topology=ckpt.topology,
+        config=ckpt.config,
+        preservation=ckpt.preservation,
+        thread_count=ckpt.thread_count,
+        replica_check_interval=replica_check_interval,
+        async_save=ckpt.async_save,
+        node=ckpt._node,
+        mirror=ckpt.mirror,
+    )
 
 
 def _local_tier(

@@ -325,9 +325,8 @@ class DistFormat:
         shards = _shards(flat, rank)
         state_dict = {key: shard.tensor for key, shard in shards.items()}
         planner = ShardSavePlanner(shards)
-        fingerprint = self.fingerprint(ctx, flat) if ctx.plan_cache is not None else None
         with _dcp_errors(directory), paused_gc():
-            dist_save.write(ctx, writer, planner, state_dict, fingerprint)
+            dist_save.write(ctx, writer, planner, state_dict, lambda: self.fingerprint(ctx, flat))
         ctx.pending["writer"] = writer
         files = writer.records()
         if flat.per_rank:

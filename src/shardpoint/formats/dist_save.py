@@ -26,6 +26,7 @@ Saves without a replica verdict (node-local saves, which plan per node) still ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -40,8 +41,13 @@ from shardpoint.parallel import comm
 __all__ = ["finish", "local_plan", "save_with_dcp", "write"]
 
 
-def write(ctx: FormatContext, writer: Any, planner: Any, state_dict: dict[str, Any], fingerprint: str | None) -> None:
-    """Every rank: write this rank's items by the cheapest path its save allows (see the module docstring)."""
+def write(
+    ctx: FormatContext, writer: Any, planner: Any, state_dict: dict[str, Any], fingerprint: Callable[[], str | None]
+) -> None:
+    """Every rank: write this rank's items by the cheapest path its save allows (see the module docstring).
+
+    ``fingerprint`` is called only by a planned save, for the cache: a replay compared it already.
+    """
     rank, cache = comm.rank(), ctx.plan_cache
     if cache is not None and cache.replay:  # the same structure as the last save: no planning
         results = write_with_plan(writer, planner, state_dict, cache.plan, rank)
@@ -57,7 +63,7 @@ def write(ctx: FormatContext, writer: Any, planner: Any, state_dict: dict[str, A
     plan = local_plan(planner, ctx.replicas.written_elsewhere, rank)
     results = write_with_plan(writer, planner, state_dict, plan, rank)
     ctx.for_coordinator = encode(plan.items, results)
-    cache.captured.update(fingerprint=fingerprint, plan=plan, results=results)
+    cache.captured.update(fingerprint=fingerprint(), plan=plan, results=results)
 
 
 def save_with_dcp(ctx: FormatContext, writer: Any, planner: Any, state_dict: dict[str, Any]) -> None:

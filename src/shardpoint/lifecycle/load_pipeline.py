@@ -267,6 +267,7 @@ class LoadPipeline:
             include_optimizer=opts.load_optimizer and not opened.finetune,
             include_rng=False,
             init_optimizer=True,
+            resizable=True,
         )
 
     def _read(self, opened: _Opened, flat: FlatState, streamed: set[str]) -> Loaded:

@@ -151,7 +151,7 @@ class SavePipeline:
         self._cleaned = False
         self._retention = BackgroundRetention(storage, root, layout, self.preservation)
         if self.owns_dir and self._lock is not None and storage.is_dir(root):
-            self._clean_leftovers_if_unlocked()
+            _clean_leftovers_if_unlocked(self._lock, self.storage, root)
 
     # ------------------------------------------------------------ public steps
     def start(
@@ -274,7 +274,9 @@ class SavePipeline:
             pending.needed = report.deduplicated_bytes
             if not cache.replay:  # a new structure: its size decides the free space needed
                 self._check_replicas(pending, group)
-                comm.from_root(lambda: self._check_space(name, pending.needed), "checking free space", group)
+                comm.from_root(
+                    lambda: _check_space(self.storage, self.root, name, pending.needed), "checking free space", group
+                )
         except BaseException:
             if comm.rank() == 0:
                 self.storage.remove(tmp)
@@ -353,18 +355,6 @@ class SavePipeline:
         self.node.commit(pending.ctx.directory, pending.final, records, meta, self.preservation)
         return meta
 
-    def _clean_leftovers_if_unlocked(self) -> None:
-        """Remove partial saves of dead jobs, unless a live job owns the directory (its saves are not ours).
-
-        Without a lock (object storage) only a job that saves cleans, at its first save:
-        a job that only loads must not delete another job's save in progress.
-        """
-        if self._lock.try_acquire():
-            try:
-                commit.clean_leftovers(self.storage, self.root)
-            finally:
-                self._lock.release()
-
     def _begin(self, name: str, needed: int) -> str:
         # the last save's deletions must be done before free space is measured and written into
         self._retention.wait()
@@ -374,16 +364,8 @@ class SavePipeline:
         elif self._lock is None and not self._cleaned:
             commit.clean_leftovers(self.storage, self.root)
         self._cleaned = True
-        self._check_space(name, needed)
+        _check_space(self.storage, self.root, name, needed)
         return commit.begin(self.storage, self.root, name)
-
-    def _check_space(self, name: str, needed: int) -> None:
-        free = self.storage.free_bytes(self.root)
-        if free is not None and needed > free:
-            raise StorageError(
-                f"not enough space to save {name} under {self.root}: about {needed / 1e9:.2f} GB needed, "
-                f"{free / 1e9:.2f} GB free; free space, lower keep_last, or save elsewhere"
-            )
 
     def _write_files(self, pending: _PendingSave) -> dict[str, Any]:
         """This rank's files and their records (runs on the background thread for async saves)."""
@@ -392,17 +374,7 @@ class SavePipeline:
         try:
             faults.hit("before-data", rank)
             records = self.format.save(ctx, pending.flat)
-            for name, obj in pending.attachments.items():
-                if name in records:
-                    raise CheckpointError(
-                        f"cannot save {name}: the {self.format.name} format writes a file of that name"
-                    )
-                path = self.storage.join(ctx.directory, name)
-                records[name] = (
-                    write_file(obj, path, self.storage)
-                    if isinstance(obj, bytes)
-                    else write_torch_file(obj, path, self.storage)
-                )
+            _write_attachments(self.storage, ctx.directory, pending.attachments, records, self.format.name)
             faults.hit("mid-data", rank)
             faults.hit("after-data", rank)
         except (OSError, RuntimeError) as exc:
@@ -420,6 +392,41 @@ class SavePipeline:
         faults.hit("before-tracker", 0)
         if update_tracker:
             commit.write_tracker(self.storage, self.root, self.layout, None if meta.release else meta.iteration)
+
+
+def _clean_leftovers_if_unlocked(lock: DirectoryLock, storage: Storage, root: str) -> None:
+    """Remove partial saves of dead jobs, unless a live job owns the directory (its saves are not ours).
+
+    Without a lock (object storage) only a job that saves cleans, at its first save:
+    a job that only loads must not delete another job's save in progress.
+    """
+    if lock.try_acquire():
+        try:
+            commit.clean_leftovers(storage, root)
+        finally:
+            lock.release()
+
+
+def _check_space(storage: Storage, root: str, name: str, needed: int) -> None:
+    free = storage.free_bytes(root)
+    if free is not None and needed > free:
+        raise StorageError(
+            f"not enough space to save {name} under {root}: about {needed / 1e9:.2f} GB needed, "
+            f"{free / 1e9:.2f} GB free; free space, lower keep_last, or save elsewhere"
+        )
+
+
+def _write_attachments(
+    storage: Storage, directory: str, attachments: Mapping[str, Any], records: dict[str, Any], fmt: str
+) -> None:
+    """The extra files of a save (validation logits, the Trainer's state): bytes as they are, objects by torch.save."""
+    for name, obj in attachments.items():
+        if name in records:
+            raise CheckpointError(f"cannot save {name}: the {fmt} format writes a file of that name")
+        path = storage.join(directory, name)
+        records[name] = (
+            write_file(obj, path, storage) if isinstance(obj, bytes) else write_torch_file(obj, path, storage)
+        )
 
 
 def _metadata(

@@ -122,8 +122,12 @@ def collect(
     include_optimizer: bool = True,
     include_rng: bool = True,
     init_optimizer: bool = False,
+    resizable: bool = False,
 ) -> FlatState:
-    """Flatten ``state`` into global-key shards (views of the live tensors, no copies)."""
+    """Flatten ``state`` into global-key shards (views of the live tensors, no copies).
+
+    ``resizable`` (loads): note the model tensors a load may read at their saved size.
+    """
     common: dict[str, Any] = {"iteration": iteration, "extra": dict(state.extra)}
     per_rank = {"rng": rng.capture(state.generators)} if include_rng else {}
     if include_rng and state.stateful:
@@ -132,7 +136,8 @@ def collect(
     if state.model is not None:
         values = naming.model_state(state.model)
         flat.tensors = flatten_shards(values, MODEL_PREFIX, flat.rank_local)
-        flat.resizable = resizing.plain_keys(state.model, values, MODEL_PREFIX)
+        if resizable:
+            flat.resizable = resizing.plain_keys(state.model, values, MODEL_PREFIX)
     if include_optimizer and state.optimizer is not None:
         if init_optimizer:
             _ensure_optimizer_state(state.optimizer)
