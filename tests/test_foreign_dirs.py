@@ -21,6 +21,7 @@ import shardpoint as sp
 from shardpoint.catalog.layout import named
 from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.lifecycle.node_local import NODE_MARKER
+from shardpoint.lifecycle.references import HELD_NOTE
 from shardpoint.storage.base import OWN_MARKERS, ForeignDataError, LocalStorage
 from shardpoint.tier.marker import LOCAL_MARKER
 from tests import distributed
@@ -40,7 +41,7 @@ def state() -> sp.TrainState:
 
 
 def test_marker_names_agree_with_the_modules_that_write_them():
-    assert OWN_MARKERS == (MARKER_NAME, NODE_MARKER, LOCAL_MARKER)
+    assert OWN_MARKERS == (MARKER_NAME, NODE_MARKER, LOCAL_MARKER, HELD_NOTE)
 
 
 def _stock_trainer_checkpoint(path: Path) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardpoint.catalog.layout import LAYOUTS
-from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord, within_root
 from shardpoint.errors import CorruptCheckpointError
 
 layouts = st.sampled_from(sorted(LAYOUTS.values(), key=lambda layout: layout.name))
@@ -45,7 +46,7 @@ json_scalars = st.one_of(
 def metadata(draw):
     files = draw(
         st.dictionaries(
-            names.filter(lambda n: not n.startswith("/") and ".." not in n.split("/")),
+            names.filter(within_root),
             st.builds(FileRecord, st.integers(0, 2**40), st.text("0123456789abcdef", min_size=16, max_size=16)),
             max_size=4,
         )
@@ -67,6 +68,17 @@ def metadata(draw):
 @given(metadata())
 def test_marker_round_trips(meta):
     assert CheckpointMetadata.from_json(meta.to_json(), "m") == meta
+
+
+@given(names.filter(lambda n: not within_root(n)))
+def test_a_marker_naming_a_file_outside_its_directory_is_refused(name):
+    meta = CheckpointMetadata(
+        iteration=1, format="dist", topology={"tp": 1, "pp": 1, "dp": 1}, release=False, files={}
+    ).to_json()
+    data = json.loads(meta)
+    data["files"] = {name: {"size": 1, "xxh3_64": "0" * 16}}
+    with pytest.raises(CorruptCheckpointError, match="outside the checkpoint directory"):
+        CheckpointMetadata.from_json(json.dumps(data), "m")
 
 
 @settings(max_examples=300)

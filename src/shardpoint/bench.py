@@ -391,6 +391,11 @@ def add_parser(subparsers: Any) -> None:
         default=[],
         help="instead: rank-0 planning of one save at these simulated rank counts (e.g. 1024,4096)",
     )
+    parser.add_argument(
+        "--frozen-base",
+        action="store_true",
+        help="instead: saves of a LoRA-like fine-tune (95%% frozen) with the frozen base stored once and without",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.set_defaults(func=_run)
@@ -405,6 +410,10 @@ def _run(args: argparse.Namespace) -> int:
         from shardpoint.commands import scale
 
         return scale.report(args.scale, args.simulate_ranks, args.repeat, args.json, args.quiet)
+    if args.frozen_base:
+        from shardpoint.commands import bench_frozen
+
+        return bench_frozen.report(args.size, max(args.repeat, 4), args.dirs or _default_dirs(), args.json, args.quiet)
     return run_bench(
         BenchConfig(
             args.size,

@@ -97,6 +97,10 @@ class Checkpointer:
             over shardpoint's gloo group in the background (no shared filesystem).
         round_timeout: seconds each collective round waits for every rank before raising
             ``CheckpointTimeoutError`` naming the missing ones (see :mod:`shardpoint.parallel.deadline`).
+        dedup: store a frozen parameter (``requires_grad=False``) once: a save whose frozen
+            tensors are unchanged since this process's last committed save refers to their
+            stored bytes instead of writing them again (local ``dist`` saves; see
+            :mod:`shardpoint.formats.dedup`). False writes every tensor at every save.
 
     Example:
         >>> ckpt = Checkpointer("runs/gpt", topology=topo, save_interval=100, keep_last=3)
@@ -134,6 +138,7 @@ class Checkpointer:
         local_keep: int = 2,
         local_replicas: int = 1,
         round_timeout: float | None = DEFAULT_ROUND_TIMEOUT,
+        dedup: bool = True,
     ):
         if async_save and format != "dist":
             raise ValueError(f"async_save=True needs format='dist' (got format={format!r})")
@@ -152,6 +157,7 @@ class Checkpointer:
         self.config = _json_config(config)
         self.verify = verify
         self.async_save = async_save
+        self.dedup = dedup
         self.thread_count = thread_count or default_thread_count()
         self.last_saved_iteration: int | None = None
         self.mirror = RemoteMirror(upload_to, self.layout, self.preservation) if upload_to else None
@@ -387,6 +393,7 @@ def _save_pipeline(ckpt: Checkpointer, replica_check_interval: int) -> SavePipel
         async_save=ckpt.async_save,
         node=ckpt._node,
         mirror=ckpt.mirror,
+        dedup=ckpt.dedup,
     )
 
 

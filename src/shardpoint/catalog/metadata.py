@@ -15,7 +15,15 @@ from typing import Any
 
 from shardpoint.errors import CorruptCheckpointError
 
-__all__ = ["FORMAT_VERSION", "MARKER_NAME", "CheckpointMetadata", "FileRecord"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MARKER_NAME",
+    "CheckpointMetadata",
+    "FileRecord",
+    "referred_dir",
+    "sibling_path",
+    "within_root",
+]
 
 MARKER_NAME = "shardpoint.json"
 FORMAT_VERSION = 1
@@ -55,7 +63,18 @@ class CheckpointMetadata:
 
     @property
     def total_bytes(self) -> int:
+        """The bytes a load of this checkpoint reads from: its own files and those it refers to."""
         return sum(r.size for r in self.files.values())
+
+    @property
+    def referred_bytes(self) -> int:
+        """The part of :attr:`total_bytes` in files of earlier checkpoints (frozen tensors stored once)."""
+        return sum(r.size for name, r in self.files.items() if referred_dir(name) is not None)
+
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes this checkpoint's own directory holds: what saving it wrote."""
+        return self.total_bytes - self.referred_bytes
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -122,8 +141,8 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
             or not isinstance(rec.get("xxh3_64"), str)
         ):
             raise CorruptCheckpointError(f"{where}: file record for {name!r} is malformed: {rec!r}"[:300])
-        if name.startswith("/") or ".." in name.split("/"):
-            raise CorruptCheckpointError(f"{where}: file name {name!r} points outside the checkpoint")
+        if not within_root(name):
+            raise CorruptCheckpointError(f"{where}: file name {name!r} points outside the checkpoint directory")
         records[name] = FileRecord(rec["size"], rec["xxh3_64"])
     fields["files"] = records
     for key, kind in (
@@ -146,6 +165,29 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise CorruptCheckpointError(f"{where}: metric {name!r} should be a finite number, got {value!r}")
     return fields
+
+
+def sibling_path(path: str) -> str:
+    """The name a checkpoint gives a file of another checkpoint beside it (``path``: ``iter_0000010/x.distcp``)."""
+    return f"../{path}"
+
+
+def referred_dir(name: str) -> str | None:
+    """The sibling checkpoint a file name of the marker points into (``../iter_0000010/...``), or None."""
+    parts = name.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == ".." else None
+
+
+def within_root(name: str) -> bool:
+    """A file of the checkpoint itself, or of a sibling checkpoint (``../<name>/<file>``): nothing further out.
+
+    Saves that store a frozen tensor once refer to the earlier checkpoint's file (see
+    :mod:`shardpoint.formats.dedup`); a marker naming anything else outside is damaged or crafted.
+    """
+    parts = name.split("/")
+    if parts[:1] == [".."]:
+        parts = parts[2:] if len(parts) > 2 and parts[1] not in ("", ".", "..") and not parts[1].startswith(".") else []
+    return bool(parts) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

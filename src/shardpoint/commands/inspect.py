@@ -35,7 +35,7 @@ from typing import Any
 
 from shardpoint import offline
 from shardpoint.catalog.integrity import verify_files
-from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata, referred_dir
 from shardpoint.commands._output import (
     EXIT_OK,
     EXIT_PROBLEM,
@@ -51,7 +51,7 @@ from shardpoint.errors import CheckpointError
 from shardpoint.formats.base import read_torch_file
 from shardpoint.formats.dist import COMMON_FILE
 from shardpoint.formats.torch_format import MAIN_FILE
-from shardpoint.lifecycle import commit
+from shardpoint.lifecycle import commit, references
 from shardpoint.storage.base import Storage, open_storage
 from shardpoint.tier.marker import describe_local_dir, holds_local_tier
 
@@ -121,13 +121,32 @@ def describe_directory(root: str, storage: Storage | None = None) -> dict[str, A
     if not entries and not tracker["exists"]:
         offline.resolve(root, storage=storage)  # raises "not a checkpoint" (or "no committed checkpoint")
     rows = [_entry_row(e, tracker.get("names")) for e in entries]
+    held = [_held_row(storage, root, name) for name in references.held_dirs(storage, root)]
     names = {e.name for e in entries if e.committed}
     if tracker["exists"] and tracker["problem"] is None and tracker["names"] not in names:
         target = storage.join(root, tracker["names"])
         tracker["problem"] = f"names {tracker['names']}, which " + (
             "is not committed (no shardpoint.json)" if storage.is_dir(target) else "does not exist"
         )
-    return {"directory": root, "layout": layout.name, "tracker": tracker, "checkpoints": rows, "leftovers": leftovers}
+    stored = sum(r.get("stored_bytes", 0) for r in rows) + sum(h["bytes"] for h in held)
+    return {
+        "directory": root,
+        "layout": layout.name,
+        "tracker": tracker,
+        "checkpoints": rows,
+        "held": held,
+        "stored_bytes": stored,
+        "leftovers": leftovers,
+    }
+
+
+def _held_row(storage: Storage, root: str, name: str) -> dict[str, Any]:
+    """A retired checkpoint kept for the files that later checkpoints refer to."""
+    path = storage.join(root, name)
+    files = references.referred_files(storage, root, name)
+    size = sum(storage.size(storage.join(path, f)) for f in files if storage.exists(storage.join(path, f)))
+    referrers = sorted({r for names in files.values() for r in names})
+    return {"name": name, "files": len(files), "bytes": size, "referred_by": referrers}
 
 
 def _tracker_state(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
@@ -158,6 +177,8 @@ def _entry_row(entry: commit.CheckpointEntry, tracked: str | None) -> dict[str, 
             layout=meta.layout,
             topology=meta.topology,
             bytes=meta.total_bytes,
+            stored_bytes=meta.stored_bytes,
+            referred_bytes=meta.referred_bytes,
             files=len(meta.files),
             wall_time=meta.wall_time,
             saved=human_time(meta.wall_time),
@@ -189,11 +210,18 @@ def _show_directory(out: Output, storage: Storage, root: str) -> int:
             row.get("saved", "-"),
             row.get("format", "-"),
             f"{topo['tp']}/{topo['pp']}/{topo['dp']}" if topo else "-",
-            human_bytes(row["bytes"]) if "bytes" in row else "-",
+            _size_cell(row),
             "committed" if row["committed"] else "[red]partial[/red] (no shardpoint.json)",
             "[bold]<- tracker[/bold]" if row["tracked"] else "",
         )
     out.print(table)
+    for held in report["held"]:
+        out.print(
+            f"{held['name']}: retired; {human_bytes(held['bytes'])} in {held['files']} file(s) kept because "
+            f"{', '.join(held['referred_by'])} refer to them (frozen tensors stored once)"
+        )
+    if report["held"] or any(r.get("referred_bytes") for r in report["checkpoints"]):
+        out.print(f"stored in this directory: {human_bytes(report['stored_bytes'])} (each byte counted once)")
     tracker = report["tracker"]
     if tracker["problem"]:
         out.problem(f"tracker {tracker['file']}: {tracker['problem']}")
@@ -206,6 +234,15 @@ def _show_directory(out: Output, storage: Storage, root: str) -> int:
             out.problem(f"{row['name']}: partial checkpoint, not committed (no {MARKER_NAME}); it is never loaded")
     bad = tracker["problem"] or any(not r["committed"] for r in report["checkpoints"])
     return EXIT_PROBLEM if bad else EXIT_OK
+
+
+def _size_cell(row: dict[str, Any]) -> str:
+    """The bytes a load reads, and how many of them this checkpoint's directory holds when some are referred."""
+    if "bytes" not in row:
+        return "-"
+    if not row["referred_bytes"]:
+        return human_bytes(row["bytes"])
+    return f"{human_bytes(row['bytes'])} ({human_bytes(row['stored_bytes'])} own)"
 
 
 def _show_local_tier(out: Output, storage: Storage, root: str) -> int:
@@ -286,6 +323,13 @@ def _show_one(out: Output, storage: Storage, path: str, iteration: int | None, t
     return EXIT_PROBLEM if problems or common_error else EXIT_OK
 
 
+def _referred_line(meta: CheckpointMetadata) -> str:
+    if not meta.referred_bytes:
+        return "-"
+    dirs = sorted({referred_dir(n) for n in meta.files} - {None})
+    return f"refers to {human_bytes(meta.referred_bytes)} of files in {', '.join(dirs)} (frozen tensors not rewritten)"
+
+
 def _print_summary(out: Output, directory: str, meta: CheckpointMetadata) -> None:
     table = new_table("", "", title=directory)
     topo = meta.topology
@@ -294,6 +338,7 @@ def _print_summary(out: Output, directory: str, meta: CheckpointMetadata) -> Non
         ("format / layout", f"{meta.format} / {meta.layout}"),
         ("layout at save", f"tp={topo['tp']} pp={topo['pp']} dp={topo['dp']}"),
         ("files", f"{len(meta.files)} ({human_bytes(meta.total_bytes)})"),
+        ("stored once", _referred_line(meta)),
         ("saved", f"{human_time(meta.wall_time)} in {meta.save_seconds:.2f} s"),
         ("consumed samples", "-" if meta.consumed_samples is None else str(meta.consumed_samples)),
         ("flops", "-" if meta.flops is None else f"{meta.flops:.4g}"),

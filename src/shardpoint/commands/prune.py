@@ -25,7 +25,7 @@ from typing import Any
 from shardpoint import offline
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes, new_table
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
-from shardpoint.lifecycle import commit
+from shardpoint.lifecycle import commit, references
 from shardpoint.lifecycle.policy import CheckpointInfo, KeepEvery, LatestN, PreservationPolicy, select_for_deletion
 from shardpoint.storage.base import Storage, open_storage
 from shardpoint.tier.marker import holds_local_tier
@@ -96,7 +96,7 @@ def plan(root: str, policies: list[PreservationPolicy], storage: Storage | None 
             {
                 "name": entry.name,
                 "iteration": iteration,
-                "bytes": entry.meta.total_bytes,
+                "bytes": entry.meta.stored_bytes,  # what deleting it frees (referred files stay with their owner)
                 "delete": iteration in doomed,
                 "kept_by": reason,
             }
@@ -130,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
 def _delete(storage: Storage, root: str, report: dict[str, Any]) -> None:
     for row in report["checkpoints"]:
         if row["delete"]:
-            storage.remove(storage.join(root, row["name"]))
+            commit.retire(storage, root, row["name"])  # keeps the files that kept checkpoints refer to
+    for name in references.held_dirs(storage, root):
+        commit.retire(storage, root, name)  # a held directory no one refers to any more goes
     if storage.supports_rename:
         commit.clean_leftovers(storage, root)  # under the writer lock: no save is in progress
 

@@ -59,6 +59,8 @@ class FormatContext:
     # loads: the pipeline's checks of the checkpoint's files, for a format whose load runs them in its first
     # agreement round (``checks_in_first_round``), to save a round; None: the pipeline ran them already
     checks: Callable[[], None] | None = None
+    # saves: the frozen items earlier checkpoints hold (formats.dedup.StoredItems), or None: write everything
+    dedup: Any = None
     for_coordinator: Any = None  # saves: what this rank's save() leaves for the format's finish() on rank 0
     pending: dict[str, Any] = field(default_factory=dict)  # saves: the format's own state from save() to finish()
 

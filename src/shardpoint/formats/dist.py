@@ -23,8 +23,9 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ from torch.futures import Future
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
-from shardpoint.formats import dist_save, read_plan, shared_reads
+from shardpoint.formats import dedup, dist_save, read_plan, shared_reads
 from shardpoint.formats.base import (
     FormatContext,
     Loaded,
@@ -228,9 +229,18 @@ class _CompleteWrites:
     any writer thread hit (a full disk becomes a StorageError upstream) is raised.
     """
 
+    dedup: Any = None  # formats.dedup.StoredItems: frozen items stored already are referred to, not written
+    frozen: frozenset[str] = frozenset()  # the keys dedup may refer to
+    referred: Mapping[str, FileRecord] = MappingProxyType({})  # the earlier checkpoints' files referred to
+
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
+        to_write, refer = self.dedup.split(plan, planner, self.frozen) if self.dedup is not None else (plan, {})
+        results = write_plan(self, to_write, planner)  # DCP's layout, fewer calls per item
+        if self.dedup is not None:
+            self.dedup.written(results, self.records())
+            self.referred = dedup.referred_records(refer)
         future: Future = Future()
-        future.set_result(write_plan(self, plan, planner))  # DCP's layout, fewer calls per item
+        future.set_result(results + dedup.referred_results(refer))
         written = {result.index for result in future.value()}
         missing = [item.index.fqn for item in plan.items if item.index not in written]
         if missing:
@@ -322,13 +332,14 @@ class DistFormat:
         storage, directory = ctx.storage, ctx.directory
         storage.makedirs(storage.join(directory, "rng"))
         writer = dcp_writer(storage, directory, ctx.thread_count)
+        writer.dedup, writer.frozen = ctx.dedup, frozenset(flat.frozen)
         shards = _shards(flat, rank)
         state_dict = {key: shard.tensor for key, shard in shards.items()}
         planner = ShardSavePlanner(shards)
         with _dcp_errors(directory), paused_gc():
             dist_save.write(ctx, writer, planner, state_dict, lambda: self.fingerprint(ctx, flat))
         ctx.pending["writer"] = writer
-        files = writer.records()
+        files = {**writer.records(), **writer.referred}
         if flat.per_rank:
             path = storage.join(directory, rng_file(rank))
             files[rng_file(rank)] = write_torch_file(flat.per_rank, path, storage)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from shardpoint.catalog.layout import LAYOUTS, RELEASE, Layout
 from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
-from shardpoint.lifecycle import faults
+from shardpoint.lifecycle import faults, references
 from shardpoint.storage.base import Storage, refuse_foreign
 
 __all__ = [
@@ -93,6 +93,7 @@ def begin(storage: Storage, root: str, final_name: str) -> str:
         storage.write_atomic(storage.join(final, IN_PROGRESS_NAME), json.dumps(note).encode())
         return final
     refuse_foreign(storage, storage.join(root, final_name))  # before any byte: another tool's data stays
+    _refuse_referred(storage, root, final_name)
     tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(4)}")
     storage.makedirs(tmp)
     return tmp
@@ -158,6 +159,8 @@ def list_checkpoints(storage: Storage, root: str, layout: Layout) -> list[Checkp
         if iteration is None and name != RELEASE:
             continue
         path = storage.join(root, name)
+        if storage.supports_rename and references.is_held(storage, path):
+            continue  # retired; kept only for the files other checkpoints refer to
         try:
             meta, problem = read_marker(storage, path), None
         except CorruptCheckpointError as exc:
@@ -173,8 +176,14 @@ def retire(storage: Storage, root: str, name: str) -> None:
     being a checkpoint), then deleted; a crash leaves a temporary directory that the
     next start removes. On object storage its in-progress note is written back and
     the marker deleted first, so a crash leaves a prefix :func:`clean_leftovers` removes.
+    A checkpoint whose files others refer to (frozen tensors stored once) keeps those
+    files, held until the last referrer is retired (:mod:`~shardpoint.lifecycle.references`).
     """
     path = storage.join(root, name)
+    keep = references.referred_files(storage, root, name)
+    if keep:
+        references.hold(storage, root, name, keep)
+        return
     if storage.supports_rename:
         doomed = storage.join(root, f"{TMP_PREFIX}retired-{name}-{secrets.token_hex(4)}")
         storage.publish_dir(path, doomed)
@@ -222,6 +231,18 @@ def _restore_trash(storage: Storage, root: str, name: str) -> bool:
     storage.publish_dir(storage.join(root, name), storage.join(root, final))
     log.warning("restored %s, moved aside by a save that did not finish", final)
     return True
+
+
+def _refuse_referred(storage: Storage, root: str, name: str) -> None:
+    """Refuse to replace a directory whose files other checkpoints refer to: replacing it would break them."""
+    referred = references.referred_files(storage, root, name)
+    if referred:
+        referrers = sorted({r for names in referred.values() for r in names})
+        raise CheckpointError(
+            f"cannot save {name} again under {root}: {len(referred)} of its file(s) hold frozen tensors that "
+            f"{', '.join(referrers)} store once and refer to; saving over it would break them. Delete those "
+            "checkpoints first (shardpoint prune), or save into another directory"
+        )
 
 
 def _has_in_progress(storage: Storage, path: str) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from shardpoint.catalog.layout import Layout
 from shardpoint.errors import CheckpointError
-from shardpoint.lifecycle import commit, faults
+from shardpoint.lifecycle import commit, faults, references
 from shardpoint.lifecycle.policy import CheckpointInfo, PreservationPolicy, select_for_deletion
 from shardpoint.storage.base import Storage
 
@@ -43,6 +43,8 @@ def apply_retention(storage: Storage, root: str, layout: Layout, policies: Seque
             commit.retire(storage, root, name)
             removed.append(name)
             log.info("retention removed %s", storage.join(root, name))
+        for name in references.held_dirs(storage, root):
+            commit.retire(storage, root, name)  # keeps what is still referred to; gone when nothing is
     except (OSError, CheckpointError) as exc:
         log.warning("retention could not delete old checkpoints under %s: %s", root, exc)
     return removed

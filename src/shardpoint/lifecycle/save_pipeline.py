@@ -35,6 +35,7 @@ from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.errors import CheckpointError, StorageError
 from shardpoint.formats import FormatContext
 from shardpoint.formats.base import CheckpointFormat, write_file, write_torch_file
+from shardpoint.formats.dedup import StoredItems
 from shardpoint.formats.dist_replay import SavePlanCache
 from shardpoint.lifecycle import commit, faults
 from shardpoint.lifecycle.async_save import BackgroundWrite
@@ -133,6 +134,7 @@ class SavePipeline:
         async_save: bool,
         node: Any = None,
         mirror: Any = None,
+        dedup: bool = True,
     ):
         self.storage, self.root, self.layout, self.format = storage, root, layout, fmt
         self.topology, self.config, self.preservation = topology, config, list(preservation)
@@ -150,6 +152,7 @@ class SavePipeline:
         self._lock = DirectoryLock(root) if storage.is_local else None
         self._cleaned = False
         self._retention = BackgroundRetention(storage, root, layout, self.preservation)
+        self._stored = _stored_items(dedup, storage, fmt, node, mirror)
         if self.owns_dir and self._lock is not None and storage.is_dir(root):
             _clean_leftovers_if_unlocked(self._lock, self.storage, root)
 
@@ -238,7 +241,10 @@ class SavePipeline:
             process_group=group,
             plan_cache=cache,
             replicas=pending.replicas,
+            dedup=self._stored,
         )
+        if self._stored is not None:
+            self._stored.begin(name)
         return self._write_files(pending)
 
     def _start_full(self, pending: _PendingSave, name: str, group: Any) -> str:
@@ -316,11 +322,15 @@ class SavePipeline:
         except BaseException:
             if cache is not None:
                 cache.clear()
+            if self._stored is not None:
+                self._stored.discard()
             if self.owns_dir and tmp is not None:
                 self.storage.remove(tmp)
             raise
         if cache is not None:
             cache.commit()
+        if self._stored is not None:
+            self._stored.commit()
         if rank == 0 and self.node is None:
             self._retention.start()
         self.times.record(pending.start, meta, pending.final)
@@ -405,6 +415,29 @@ def _clean_leftovers_if_unlocked(lock: DirectoryLock, storage: Storage, root: st
             commit.clean_leftovers(storage, root)
         finally:
             lock.release()
+
+
+def _stored_items(dedup: bool, storage: Storage, fmt: CheckpointFormat, node: Any, mirror: Any) -> StoredItems | None:
+    """What saves refer to instead of writing frozen tensors again (:mod:`~shardpoint.formats.dedup`), or None.
+
+    Only for ``dist`` saves into one local directory: a mirror or node-local copies hold
+    each checkpoint's own files only, and object stores do not resolve ``../`` in a key.
+    """
+    if not dedup:
+        return None
+    reason = (
+        "the format is not dist"
+        if fmt.name != "dist"
+        else "object storage does not resolve '../' references"
+        if not storage.is_local
+        else "upload_to mirrors each checkpoint's own files"
+        if mirror is not None or node is not None
+        else None
+    )
+    if reason is None:
+        return StoredItems()
+    log.debug("frozen tensors are written at every save (%s)", reason)
+    return None
 
 
 def _check_space(storage: Storage, root: str, name: str, needed: int) -> None:

@@ -99,7 +99,7 @@ class HostStaging:
         common, per_rank = flat.common, flat.per_rank
         if everything:
             common, per_rank = copy.deepcopy(common), copy.deepcopy(per_rank)
-        return FlatState(tensors, common, per_rank, own, set(flat.shared_if_equal))
+        return FlatState(tensors, common, per_rank, own, set(flat.shared_if_equal), frozen=set(flat.frozen))
 
     def _prepare(self, sources: Mapping[str, torch.Tensor]) -> None:
         """Lay out and allocate a new slab when the structure changed; else keep the current one."""

@@ -91,6 +91,8 @@ class FlatState:
             it at its saved size and hand it to the model's ``load_state_dict``
             (:mod:`shardpoint.state.resizing`).
         resized: what a load read that way: key -> (the model's shape, the loaded tensor).
+        frozen: model keys of parameters with ``requires_grad=False``, the tensors a save may
+            store once for several checkpoints (:mod:`shardpoint.formats.dedup`).
     """
 
     tensors: dict[str, Shard]
@@ -100,6 +102,7 @@ class FlatState:
     shared_if_equal: set[str] = field(default_factory=set)
     resizable: set[str] = field(default_factory=set)
     resized: dict[str, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
+    frozen: set[str] = field(default_factory=set)
 
     def resize(self, key: str, saved_shape: tuple[int, ...]) -> Shard | None:
         """The new target of ``key`` when it may be loaded at its saved size, else None (a size difference)."""
@@ -138,6 +141,7 @@ def collect(
         flat.tensors = flatten_shards(values, MODEL_PREFIX, flat.rank_local)
         if resizable:
             flat.resizable = resizing.plain_keys(state.model, values, MODEL_PREFIX)
+        flat.frozen = frozen_keys(state.model, flat.tensors)
     if include_optimizer and state.optimizer is not None:
         if init_optimizer:
             _ensure_optimizer_state(state.optimizer)
@@ -149,6 +153,18 @@ def collect(
     if include_optimizer and state.grad_scaler is not None:
         common["grad_scaler"] = state.grad_scaler.state_dict()
     return flat
+
+
+def frozen_keys(model: torch.nn.Module, tensors: Mapping[str, Shard]) -> set[str]:
+    """The model keys whose tensor is (the local part of) a parameter that is not trained."""
+    frozen = {_local(p).data_ptr() for p in model.parameters() if not p.requires_grad and _local(p).numel()}
+    if not frozen:
+        return set()
+    return {k for k, s in tensors.items() if k.startswith(MODEL_PREFIX) and s.tensor.data_ptr() in frozen}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def restore(

@@ -37,9 +37,10 @@ __all__ = [
 
 # The files that say "shardpoint wrote this directory": a committed checkpoint
 # (catalog.metadata.MARKER_NAME), a node's part of one (lifecycle.node_local.NODE_MARKER)
-# and a local-tier copy (tier.marker.LOCAL_MARKER). Spelled out here because storage sits
+# a local-tier copy (tier.marker.LOCAL_MARKER) and a retired checkpoint held for the files
+# others refer to (lifecycle.references.HELD_NOTE). Spelled out here because storage sits
 # below the layers that define them; tests/test_foreign_dirs.py checks that they agree.
-OWN_MARKERS = ("shardpoint.json", "shardpoint-node.json", "shardpoint-local.json")
+OWN_MARKERS = ("shardpoint.json", "shardpoint-node.json", "shardpoint-local.json", ".shardpoint-referenced")
 
 
 class ForeignDataError(CheckpointError):
