@@ -101,6 +101,8 @@ class S3Server:
             "AWS_DEFAULT_REGION": "us-east-1",
             "SHARDPOINT_S3_TIMEOUT": "2",
             "SHARDPOINT_S3_RETRIES": "2",
+            "SHARDPOINT_OBJECT_RETRIES": "2",
+            "SHARDPOINT_OBJECT_BACKOFF": "0.2",
         }
         moto = Path(sys.executable).with_name("moto_server")
         self.process = subprocess.Popen(

@@ -60,10 +60,14 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "src", metavar="SRC", help="a save directory or one checkpoint, local or s3:// (--from hf: a local HF model)"
+        "src",
+        metavar="SRC",
+        help="a save directory or one checkpoint, local or s3:// gs:// az:// (--from hf: a local HF model)",
     )
     parser.add_argument(
-        "dst", metavar="DST", help="the save directory to write the converted checkpoint into (local or s3://)"
+        "dst",
+        metavar="DST",
+        help="the save directory to write the converted checkpoint into (local, s3://, gs:// or az://)",
     )
     parser.add_argument("--format", choices=("dist", "torch"), help="output format (default: the source's)")
     parser.add_argument("--tp", type=_positive, metavar="N", help="tensor-parallel size (default: the source's)")

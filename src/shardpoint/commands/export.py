@@ -67,13 +67,13 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("src", metavar="SRC", help="a save directory or one checkpoint (local or s3://)")
+    parser.add_argument("src", metavar="SRC", help="a save directory or one checkpoint (local, s3://, gs:// or az://)")
     parser.add_argument("--to", required=True, choices=("safetensors", "release", "hf"), help="what to write")
     parser.add_argument(
         "out",
         metavar="OUT",
         help="safetensors: a local file (or a directory for model.safetensors); hf: a local directory; "
-        "release: a save directory (local or s3://)",
+        "release: a save directory (local, s3://, gs:// or az://)",
     )
     parser.add_argument("--iteration", type=int, metavar="N", help="which checkpoint of SRC (default: the tracker's)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as saved)")

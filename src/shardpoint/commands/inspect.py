@@ -75,7 +75,9 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "directory", metavar="DIR", help="a save directory, or one checkpoint's directory (local or s3://)"
+        "directory",
+        metavar="DIR",
+        help="a save directory, or one checkpoint's directory (local, s3://, gs:// or az://)",
     )
     parser.add_argument("--iteration", type=int, metavar="N", help="describe the checkpoint of iteration N")
     parser.add_argument("--tensors", action="store_true", help="also list every tensor: shape, dtype, bytes, sharding")

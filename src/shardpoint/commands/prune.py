@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("directory", metavar="DIR", help="the save directory (local or s3://)")
+    parser.add_argument("directory", metavar="DIR", help="the save directory (local, s3://, gs:// or az://)")
     parser.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the newest N checkpoints")
     parser.add_argument(
         "--keep-every", type=int, metavar="K", help="also keep every checkpoint whose iteration is a multiple of K"

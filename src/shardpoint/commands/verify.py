@@ -52,7 +52,9 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "directory", metavar="DIR", help="a save directory, or one checkpoint's directory (local or s3://)"
+        "directory",
+        metavar="DIR",
+        help="a save directory, or one checkpoint's directory (local, s3://, gs:// or az://)",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--iteration", type=int, metavar="N", help="verify the checkpoint of iteration N")

@@ -55,6 +55,7 @@ from shardpoint.demo.report import PhaseReport, Recovery, compare_losses, phase_
 from shardpoint.demo.trainer import TrainConfig
 from shardpoint.lifecycle import commit
 from shardpoint.storage.base import LocalStorage, Storage, open_storage
+from shardpoint.storage.object_store import is_object_url
 from shardpoint.tier.marker import describe_local_dir
 
 __all__ = ["loopback_s3", "run_cluster_demo", "wait_for_s3_server"]
@@ -65,7 +66,7 @@ _WORKER = "shardpoint.demo.cluster_worker"
 @contextmanager
 def loopback_s3(directory: str) -> Any:
     """Yield the ``s3://`` root to use: ``directory`` itself, or a bucket on a moto_server started here."""
-    if directory.startswith("s3://"):
+    if is_object_url(directory):
         yield directory
         return
     server = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))

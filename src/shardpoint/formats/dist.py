@@ -76,6 +76,7 @@ from shardpoint.state import naming, rank_local
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import Storage
+from shardpoint.storage.object_store import READ_BLOCK, WRITE_BLOCK, object_filesystem
 from shardpoint.storage.safe_io import paused_gc
 
 __all__ = [
@@ -177,6 +178,13 @@ class SafeFsspecReader(StreamingReads, SafeMetadata, FsspecReader):
 
     direct_reads = False  # reading an item's end first would defeat the object store's read-ahead
 
+    def __init__(self, path: str):
+        # as HashingFsspecWriter: shardpoint's client for the URL, not fsspec's registry
+        FileSystemReader.__init__(self, path)
+        self.fs = FsspecFileSystem()
+        self.fs.fs = object_filesystem(path, READ_BLOCK)
+        self.path = path
+
 
 class _RecordingStreams:
     """Mixin for DCP filesystems: record size and checksum of every file written through them."""
@@ -268,9 +276,12 @@ class HashingFsspecWriter(_CompleteWrites, FsspecWriter):
     """DCP's FsspecWriter (object storage) with checksums computed while uploading."""
 
     def __init__(self, path: str, **kwargs: Any):
-        super().__init__(path, sync_files=False, **kwargs)
+        # FsspecWriter.__init__ would pick the filesystem by URL through fsspec's registry
+        # (for gs:// a gcsfs class that needs gRPC); shardpoint's own client settings instead
+        FileSystemWriter.__init__(self, path, sync_files=False, **kwargs)
         self.fs = HashingFsspecFileSystem()
-        self.path = self.fs.init_path(path, **_fsspec_options(path, reading=False))
+        self.fs.fs = object_filesystem(path, WRITE_BLOCK)
+        self.path = path
 
     def records(self) -> dict[str, FileRecord]:
         root = os.fspath(self.path).rstrip("/") + "/"
@@ -299,24 +310,11 @@ def dcp_reader(
     ``contiguous_items``: the checkpoint says every item is a contiguous tensor
     (``CheckpointMetadata.contiguous_items``), so items are decoded without ``torch.load``.
     """
-    reader = (
-        SafeFileSystemReader(directory)
-        if storage.is_local
-        else SafeFsspecReader(directory, **_fsspec_options(directory, reading=True))
-    )
+    reader = SafeFileSystemReader(directory) if storage.is_local else SafeFsspecReader(directory)
     reader.thread_count = thread_count
     reader.expected = expected
     reader.contiguous_items = contiguous_items
     return reader
-
-
-def _fsspec_options(path: str, reading: bool) -> dict[str, Any]:
-    """The same client settings (retries, timeouts) as shardpoint's own S3 requests."""
-    if path.startswith("s3://"):
-        from shardpoint.storage.s3 import READ_BLOCK, WRITE_BLOCK, s3_options
-
-        return s3_options(READ_BLOCK if reading else WRITE_BLOCK)
-    return {}
 
 
 class DistFormat:

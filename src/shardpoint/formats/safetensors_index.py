@@ -5,7 +5,7 @@ tensor's dtype, shape and ``data_offsets`` (relative to the end of the header), 
 raw tensor bytes. That is all a sharded reader needs: with the header, any box of any
 tensor is a known set of byte ranges, read without touching the rest of the file. So
 the header is parsed here rather than through ``safetensors.safe_open``, which needs a
-local file to ``mmap`` and cannot read ``s3://``.
+local file to ``mmap`` and cannot read object storage (``s3://``, ``gs://``, ``az://``).
 
 The checks are the ones that let a damaged file be named rather than half-loaded: a
 header length beyond the file, a header that is not JSON, an unknown dtype, offsets
@@ -35,7 +35,7 @@ import torch
 from shardpoint.catalog.untrusted_json import check_member_name, parse_json_object
 from shardpoint.errors import CorruptCheckpointError, StorageError
 from shardpoint.storage.base import Storage
-from shardpoint.storage.s3 import S3Storage
+from shardpoint.storage.object_store import ObjectStorage
 
 __all__ = [
     "INDEX_NAME",
@@ -293,8 +293,8 @@ class RangeReader:
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         """Fill each 1-D ``uint8`` CPU tensor ``out`` with the bytes of file ``name`` from ``start``."""
         requests = [r for r in requests if r[2].numel()]
-        if isinstance(self.storage, S3Storage):
-            self._read_s3(requests)
+        if isinstance(self.storage, ObjectStorage):
+            self._read_ranges(requests)
         else:
             for name, start, out in requests:
                 self._read_local(name, start, out)
@@ -324,7 +324,7 @@ class RangeReader:
             raise StorageError(f"reading {self.path(name)} failed: {exc}") from exc
         self._check_length(name, start, done, len(view))
 
-    def _read_s3(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+    def _read_ranges(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         if not requests:
             return
         paths = [self.path(name) for name, _, _ in requests]

@@ -19,6 +19,7 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.lifecycle.commit import read_marker
 from shardpoint.parallel.topology import Topology
 from shardpoint.storage.base import open_storage
+from shardpoint.storage.object_store import is_object_url
 
 __all__ = [
     "FIXED_OPTIONS",
@@ -75,12 +76,12 @@ def accelerator_topology(accelerator: Any) -> Topology:
 
 
 def is_shardpoint_checkpoint(path: str | os.PathLike[str] | None) -> bool:
-    """Whether ``path`` (local or ``s3://``) is a committed shardpoint checkpoint (it holds the commit marker)."""
+    """Whether ``path`` (local or an object-store URL) is a committed shardpoint checkpoint (holds the marker)."""
     if path is None:
         return False
     text = os.fspath(path)
     if "://" in text:
-        return text.startswith("s3://") and open_storage(text).exists(text.rstrip("/") + "/" + MARKER_NAME)
+        return is_object_url(text) and open_storage(text).exists(text.rstrip("/") + "/" + MARKER_NAME)
     return os.path.isfile(os.path.join(text, MARKER_NAME))
 
 

@@ -67,7 +67,7 @@ object. Values there that such a load could not read are refused when saving.
   back to the main process through the CheckpointIO on one rank, which a collective save
   cannot serve; ``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused (their own
   sharded files); one optimizer only;
-* paths are local or ``s3://``: other fsspec URLs (``memory://``, ``gs://``, ...) are
+* paths are local or ``s3://``, ``gs://``, ``az://``: other fsspec URLs (``memory://``, ...) are
   refused by name before anything is written (see :func:`_check_url`);
 * a checkpoint Lightning wrote itself (a ``.ckpt`` file, or ``ModelParallelStrategy``'s DCP
   folder) given as ``ckpt_path`` is read and applied by Lightning's own code, so a running
@@ -112,6 +112,7 @@ from shardpoint.parallel.topology import Topology
 from shardpoint.state.sharding import is_dtensor
 from shardpoint.state.train_state import TrainState
 from shardpoint.storage.base import open_storage
+from shardpoint.storage.object_store import is_object_url
 
 __all__ = ["ShardpointCheckpointIO", "load_checkpoint_dict"]
 
@@ -131,7 +132,6 @@ _DECIDED = {
 }
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # what the plugin saves from the live objects instead
 _OPEN_CHECKPOINTERS = 2  # last.ckpt and the newest top-k name
-_SCHEMES = ("s3://", "file://")  # what shardpoint's storage serves; Lightning's fsspec takes more
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
 
 
@@ -433,7 +433,7 @@ def _saved_extra(checkpoint: Mapping[str, Any], path: str) -> dict[str, Any]:
 
 
 def _split(path: str) -> tuple[str, str]:
-    """``(save directory, checkpoint name)`` of a checkpoint path, local or ``s3://``."""
+    """``(save directory, checkpoint name)`` of a checkpoint path, local or an object-store URL."""
     if "://" in path:
         root, name = posixpath.split(path.rstrip("/"))
     else:
@@ -486,12 +486,12 @@ def _check_url(path: str) -> None:
     interface does not say when an object is durable. ``memory://`` would also vanish with
     the process, which a checkpoint meant to survive a crash cannot.
     """
-    if "://" in path and not path.startswith(_SCHEMES):
+    if "://" in path and not (path.startswith("file://") or is_object_url(path)):
         scheme = path.split("://", 1)[0]
         raise CheckpointError(
-            f"{path}: ShardpointCheckpointIO saves to local paths and s3://bucket/prefix, not to {scheme}:// "
+            f"{path}: ShardpointCheckpointIO saves to local paths and s3://, gs://, az:// URLs, not to {scheme}:// "
             "(Lightning reaches it through fsspec; shardpoint's commit protocol needs a storage backend of its own "
-            "for each store). Point ModelCheckpoint(dirpath=...) and default_root_dir at a local path or s3://, or "
+            "for each store). Point ModelCheckpoint(dirpath=...) and default_root_dir at a local path or a store, or "
             f"keep Lightning's default CheckpointIO for {scheme}://"
         )
 

@@ -45,6 +45,7 @@ __all__ = [
     "publish",
     "read_marker",
     "read_tracker",
+    "write_marker",
     "retire",
     "write_tracker",
 ]
@@ -101,9 +102,37 @@ def begin(storage: Storage, root: str, final_name: str) -> str:
 
 def publish(storage: Storage, tmp: str, final: str, meta: CheckpointMetadata) -> None:
     """Write the marker into ``tmp`` and move it to ``final``: the checkpoint now exists."""
-    storage.write_atomic(storage.join(tmp, MARKER_NAME), meta.to_json().encode())
+    write_marker(storage, tmp, meta.to_json().encode())
     storage.publish_dir(tmp, final)
     _drop_in_progress(storage, final)
+
+
+def write_marker(storage: Storage, directory: str, data: bytes) -> None:
+    """Write ``directory``'s marker; on object storage create-only, so that one of two writers commits.
+
+    Locally the directory is private until it is renamed into place. On object storage
+    the prefix is the final one: a second job saving the same iteration there would
+    otherwise overwrite the first one's marker and both would believe they committed.
+    A create that fails because a retried request of this save had already landed is
+    recognised by the marker's bytes.
+
+    Raises:
+        CheckpointError: another writer committed ``directory`` first; nothing of this save is committed.
+    """
+    path = storage.join(directory, MARKER_NAME)
+    if storage.supports_rename:
+        storage.write_atomic(path, data)
+        return
+    try:
+        storage.write_new(path, data)
+    except FileExistsError:
+        if storage.read_bytes(path) == data:
+            return
+        raise CheckpointError(
+            f"{directory} was committed by another writer while this save was writing it (its {MARKER_NAME} "
+            "appeared first); this save is not committed and the tracker was not moved by it. Two jobs are saving "
+            "into the same directory: give each its own"
+        ) from None
 
 
 def write_tracker(storage: Storage, root: str, layout: Layout, iteration: int | None) -> None:

@@ -113,6 +113,9 @@ class NodeView:
     def write_atomic(self, path: str, data: bytes) -> None:
         raise StorageError(f"{path}: a node view is read-only")
 
+    def write_new(self, path: str, data: bytes) -> None:
+        raise StorageError(f"{path}: a node view is read-only")
+
     def makedirs(self, path: str) -> None:
         raise StorageError(f"{path}: a node view is read-only")
 

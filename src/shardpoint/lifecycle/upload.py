@@ -150,7 +150,7 @@ class RemoteMirror:
     def _commit(self, upload: _Upload) -> None:
         """Rank 0: marker after every data object, tracker after the marker, then remote retention."""
         prefix = self.storage.join(self.root, upload.name)
-        self.storage.write_atomic(self.storage.join(prefix, MARKER_NAME), upload.marker)
+        commit.write_marker(self.storage, prefix, upload.marker)
         self.storage.remove(self.storage.join(prefix, commit.IN_PROGRESS_NAME))
         if upload.update_tracker:
             commit.write_tracker(self.storage, self.root, self.layout, upload.iteration)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from shardpoint.errors import CheckpointError, StorageError
+from shardpoint.storage.object_store import is_object_url
 
 __all__ = [
     "OWN_MARKERS",
@@ -70,6 +71,10 @@ class Storage(Protocol):
         ...
 
     def write_atomic(self, path: str, data: bytes) -> None: ...
+    def write_new(self, path: str, data: bytes) -> None:
+        """Like :meth:`write_atomic`, but raise ``FileExistsError`` if ``path`` exists (create-only)."""
+        ...
+
     def makedirs(self, path: str) -> None: ...
     def remove(self, path: str) -> None: ...
     def publish_dir(self, tmp: str, final: str) -> None: ...
@@ -127,6 +132,21 @@ class LocalStorage:
             os.replace(tmp, path)
             fsync_dir(os.path.dirname(path))
 
+    def write_new(self, path: str, data: bytes) -> None:
+        """Write to a temporary name, fsync, then ``os.link`` it into place: fails if ``path`` exists."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with _storage_errors(path, len(data)):
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            fsync_dir(os.path.dirname(path))
+
     def makedirs(self, path: str) -> None:
         with _storage_errors(path):
             os.makedirs(path, exist_ok=True)
@@ -166,14 +186,18 @@ class LocalStorage:
 
 
 def open_storage(root: str | os.PathLike[str]) -> Storage:
-    """The backend for ``root``: ``s3://bucket/prefix`` is object storage, anything else a local path."""
+    """The backend for ``root``: ``s3://``, ``gs://``, ``az://`` (``abfs://``) URLs are object storage,
+    anything else a local path."""
     text = os.fspath(root)
-    if text.startswith("s3://"):
-        from shardpoint.storage.s3 import S3Storage
+    if is_object_url(text):
+        from shardpoint.storage.object_store import ObjectStorage
 
-        return S3Storage(text)
+        return ObjectStorage(text)
     if "://" in text and not text.startswith("file://"):
-        raise StorageError(f"{text}: unsupported URL scheme; use a local path or s3://bucket/prefix")
+        raise StorageError(
+            f"{text}: unsupported URL scheme; use a local path, s3://bucket/prefix, gs://bucket/prefix or "
+            "az://container/prefix"
+        )
     return LocalStorage(text.removeprefix("file://"))
 
 
