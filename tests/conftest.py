@@ -92,6 +92,8 @@ class S3Server:
     Clients reach it through a :class:`Gate`, so tests can take the endpoint down and bring it back.
     """
 
+    scheme = "s3"
+
     def __init__(self):
         self.server_port = free_port()
         self.port = self.server_port
@@ -137,7 +139,16 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    server = S3Server()
+    yield from _serve(S3Server())
+
+
+@pytest.fixture
+def bucket(s3_server, request):
+    name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
+    return s3_server.make_bucket(name)
+
+
+def _serve(server):
     saved = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)
     yield server
@@ -149,7 +160,31 @@ def s3_server():
             os.environ[key] = value
 
 
+@pytest.fixture(scope="session")
+def gs_server():
+    from tests.cloud_servers import GcsServer
+
+    yield from _serve(GcsServer(Gate))
+
+
+@pytest.fixture(scope="session")
+def az_server():
+    from tests.cloud_servers import AzureServer
+
+    yield from _serve(AzureServer(Gate))
+
+
+@pytest.fixture(params=["s3", "gs", "az"])
+def cloud(request):
+    """The S3, GCS and Azure emulators: a test using it runs on all three stores."""
+    return request.getfixturevalue(f"{request.param}_server")
+
+
 @pytest.fixture
-def bucket(s3_server, request):
-    name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
-    return s3_server.make_bucket(name)
+def cloud_bucket(cloud, request):
+    """A fresh bucket (GCS) or container (Azure) for this test: ``gs://name`` or ``az://name``."""
+    import hashlib
+
+    words = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]
+    return cloud.make_bucket(f"t-{words}-{digest}".replace("--", "-"))

@@ -10,6 +10,7 @@ from shardpoint.checkpointer import Checkpointer, LoadResult
 from shardpoint.errors import (
     CheckpointError,
     CheckpointTimeoutError,
+    ConcurrentSaveError,
     ConfigMismatchError,
     CorruptCheckpointError,
     MissingKeysError,
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointTimeoutError",
     "Checkpointer",
+    "ConcurrentSaveError",
     "ConfigMismatchError",
     "CorruptCheckpointError",
     "EveryNMinutes",

@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointTimeoutError",
+    "ConcurrentSaveError",
     "ConfigMismatchError",
     "CorruptCheckpointError",
     "MissingKeysError",
@@ -96,6 +97,13 @@ class ShapeMismatchError(CheckpointError):
 
 class StorageError(CheckpointError):
     """Reading or writing the storage failed (disk full, permission denied, ...)."""
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another writer committed the same checkpoint first (object storage); this save committed nothing.
+
+    The other writer's checkpoint is left as it is: two jobs are saving into one directory.
+    """
 
 
 class UnsafeCheckpointError(CheckpointError):

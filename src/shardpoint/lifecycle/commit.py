@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from shardpoint.catalog.layout import LAYOUTS, RELEASE, Layout
 from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.errors import CheckpointError, CorruptCheckpointError
+from shardpoint.errors import CheckpointError, ConcurrentSaveError, CorruptCheckpointError
 from shardpoint.lifecycle import faults, references
 from shardpoint.storage.base import Storage, refuse_foreign
 
@@ -45,8 +45,8 @@ __all__ = [
     "publish",
     "read_marker",
     "read_tracker",
-    "write_marker",
     "retire",
+    "write_marker",
     "write_tracker",
 ]
 
@@ -117,7 +117,8 @@ def write_marker(storage: Storage, directory: str, data: bytes) -> None:
     recognised by the marker's bytes.
 
     Raises:
-        CheckpointError: another writer committed ``directory`` first; nothing of this save is committed.
+        ConcurrentSaveError: another writer committed ``directory`` first; nothing of this save is committed
+            (and what the other writer committed must not be removed as this save's leftovers).
     """
     path = storage.join(directory, MARKER_NAME)
     if storage.supports_rename:
@@ -128,7 +129,7 @@ def write_marker(storage: Storage, directory: str, data: bytes) -> None:
     except FileExistsError:
         if storage.read_bytes(path) == data:
             return
-        raise CheckpointError(
+        raise ConcurrentSaveError(
             f"{directory} was committed by another writer while this save was writing it (its {MARKER_NAME} "
             "appeared first); this save is not committed and the tracker was not moved by it. Two jobs are saving "
             "into the same directory: give each its own"

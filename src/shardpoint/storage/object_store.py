@@ -148,12 +148,12 @@ class ObjectStorage:
     @contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         """An upload that is complete (every part confirmed) when the block exits; retried by the client only."""
-        with self._errors(path), self.fs.open(path, "wb") as f:
+        with self._errors(path, writing=True), self.fs.open(path, "wb") as f:
             yield f
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """One PUT: readers see the old object or the new one, never a mix."""
-        self._call(path, lambda: self.fs.pipe_file(path, data))
+        self._call(path, lambda: self.fs.pipe_file(path, data), writing=True)
 
     def write_new(self, path: str, data: bytes) -> None:
         """One PUT that only succeeds if no object is at ``path`` (the store's create-only precondition).
@@ -161,7 +161,7 @@ class ObjectStorage:
         Raises:
             FileExistsError: another writer created ``path`` first.
         """
-        self._call(path, lambda: self.fs.pipe_file(path, data, mode="create"))
+        self._call(path, lambda: self.fs.pipe_file(path, data, mode="create"), writing=True)
 
     def makedirs(self, path: str) -> None:
         """Object stores have no directories."""
@@ -184,28 +184,34 @@ class ObjectStorage:
     def free_bytes(self, path: str) -> int | None:
         return None
 
-    def _call(self, path: str, call: Callable[[], T]) -> T:
-        with self._errors(path):
+    def _call(self, path: str, call: Callable[[], T], writing: bool = False) -> T:
+        with self._errors(path, writing):
             return retrying(call, f"{self.scheme} request for {path}", self.store.is_transient)
 
-    def _errors(self, path: str) -> _Errors:
-        return _Errors(path, self)
+    def _errors(self, path: str, writing: bool = False) -> _Errors:
+        return _Errors(path, self, writing)
 
 
 class _Errors:
     """Turn client errors that survived the retries into one StorageError naming the path and the fix."""
 
-    def __init__(self, path: str, storage: ObjectStorage):
+    def __init__(self, path: str, storage: ObjectStorage, writing: bool):
         self.path = path
         self.storage = storage
+        self.writing = writing
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        store, where = self.storage.store, f"{self.storage.scheme}://{self.storage.bucket}"
+        if self.writing and isinstance(exc, FileNotFoundError):  # a write finds no object: no bucket
+            raise StorageError(
+                f"writing {self.path} failed: the bucket or container {where} does not exist (or this account "
+                f"cannot see it); create it, or fix the URL; {store.SETTINGS_HINT}"
+            ) from exc
         if exc is None or isinstance(exc, (FileNotFoundError, FileExistsError, StorageError)):
             return False
-        store = self.storage.store
         if isinstance(exc, (OSError, ConnectionError, TimeoutError)) or store.is_client_error(exc):
             raise StorageError(
                 f"{self.storage.scheme}:// request for {self.path} failed after retries (bucket/container "
