@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
+import fsspec
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -76,7 +77,7 @@ from shardpoint.state import naming, rank_local
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import Storage
-from shardpoint.storage.object_store import READ_BLOCK, WRITE_BLOCK, object_filesystem
+from shardpoint.storage.object_store import READ_BLOCK, WRITE_BLOCK, is_object_url, object_filesystem
 from shardpoint.storage.safe_io import paused_gc
 
 __all__ = [
@@ -179,10 +180,12 @@ class SafeFsspecReader(StreamingReads, SafeMetadata, FsspecReader):
     direct_reads = False  # reading an item's end first would defeat the object store's read-ahead
 
     def __init__(self, path: str):
-        # as HashingFsspecWriter: shardpoint's client for the URL, not fsspec's registry
+        # as HashingFsspecWriter: shardpoint's client for an object store's URL; any other
+        # protocol (the node-local view's shardpoint-node://, registered with fsspec) from
+        # fsspec's registry
         FileSystemReader.__init__(self, path)
         self.fs = FsspecFileSystem()
-        self.fs.fs = object_filesystem(path, READ_BLOCK)
+        self.fs.fs = object_filesystem(path, READ_BLOCK) if is_object_url(path) else fsspec.core.url_to_fs(path)[0]
         self.path = path
 
 
