@@ -63,3 +63,24 @@ def test_scale_bench_counts_collectives_and_simulates_planning():
     assert set(report["bytes read per stored byte"]) == {"dp=4", "tp2·dp2"}
     (planning,) = report["planning"]
     assert planning["ranks"] == 16 and planning["first save: rank-0 planning s"] > 0
+
+
+def test_store_bench_compares_the_clients_with_shardpoint_on_one_server(s3_server, bucket):
+    """``bench --store``: every installed client's raw rates and shardpoint's ratios to s3fs, same server."""
+    command = [sys.executable, "-m", "shardpoint.cli", "bench", "--store", f"{bucket}/bench", "--size", "4MB"]
+    out = subprocess.run(
+        [*command, "--ranks", "2", "--repeat", "1", "--json", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=s3_server.env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    rates = report["rates"]
+    for step in ("upload", "download", "small put", "small get", "ranged"):
+        assert rates[f"s3fs {step}"] > 0
+    assert rates["shardpoint save"] > 0 and rates["shardpoint load"] > 0
+    assert report["save ÷ s3fs upload"] > 0 and report["load ÷ s3fs download"] > 0
+    for line in report["missing"]:  # a client that is not installed is named, with how to add it
+        assert "pip install" in line

@@ -28,7 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardpoint.commands.bench_states import SHAPE_PRESETS, preset_state, state_bytes, synthetic_state
+from shardpoint.commands.bench_states import (
+    SHAPE_PRESETS,
+    preset_state,
+    sharded_train_state,
+    state_bytes,
+    synthetic_state,
+)
 from shardpoint.commands.bench_tier import tier_rounds
 from shardpoint.commands.bench_timing import slowest, timed
 from shardpoint.formats.tensor_archive import storage_bytes
@@ -138,15 +144,7 @@ class Methods:
         dcp.load(self._dtensors(self.buffers), checkpoint_id=self.path("dcp"))
 
     def _sharded(self, tensors: dict[str, torch.Tensor]) -> Any:
-        import shardpoint as sp
-
-        topo = sp.Topology(self.world, 1, 1)
-
-        class Model(torch.nn.Module):
-            def sharded_state_dict(inner) -> dict[str, Any]:
-                return {k: sp.column_parallel(t, topo) for k, t in tensors.items()}
-
-        return topo, sp.TrainState(Model())
+        return sharded_train_state(tensors, self.world)
 
     def sp_save(self, async_save: bool = False) -> Any:
         import shardpoint as sp
@@ -396,6 +394,12 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="instead: saves of a LoRA-like fine-tune (95%% frozen) with the frozen base stored once and without",
     )
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="instead: s3fs, obstore and s3torchconnector against shardpoint on S3, at --ranks (give s3 for a "
+        "loopback server started here, or an s3:// URL)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.set_defaults(func=_run)
@@ -410,6 +414,10 @@ def _run(args: argparse.Namespace) -> int:
         from shardpoint.commands import scale
 
         return scale.report(args.scale, args.simulate_ranks, args.repeat, args.json, args.quiet)
+    if args.store:
+        from shardpoint.commands import bench_store
+
+        return bench_store.report(args.store, args.size, args.ranks, args.repeat, args.json, args.quiet)
     if args.frozen_base:
         from shardpoint.commands import bench_frozen
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -12,6 +13,7 @@ __all__ = [
     "PRESET_KINDS",
     "SHAPE_PRESETS",
     "preset_state",
+    "sharded_train_state",
     "state_bytes",
     "synthetic_state",
 ]
@@ -96,3 +98,16 @@ def preset_state(preset: str, total_bytes: int, rank: int, world: int, main_worl
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.nbytes for t in state.values())
+
+
+def sharded_train_state(tensors: dict[str, torch.Tensor], world: int) -> Any:
+    """``(topology, TrainState)`` declaring ``tensors`` as this rank's column-parallel shards of ``world`` ranks."""
+    import shardpoint as sp
+
+    topo = sp.Topology(world, 1, 1)
+
+    class Model(torch.nn.Module):
+        def sharded_state_dict(self) -> dict[str, Any]:
+            return {k: sp.column_parallel(t, topo) for k, t in tensors.items()}
+
+    return topo, sp.TrainState(Model())

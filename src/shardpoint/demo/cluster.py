@@ -69,8 +69,9 @@ def loopback_s3(directory: str) -> Any:
     if is_object_url(directory):
         yield directory
         return
-    server = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
-    if not os.path.exists(server):
+    beside = Path(sys.executable).with_name("moto_server")  # this environment's moto before any on PATH
+    server = str(beside) if beside.exists() else shutil.which("moto_server")
+    if not server:
         raise sp.CheckpointError(
             "demo --nnodes needs object storage: install moto ('pip install \"moto[server]\"') for a loopback "
             "S3 server, or pass --dir s3://bucket/prefix with AWS_ENDPOINT_URL and credentials set"
