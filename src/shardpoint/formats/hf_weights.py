@@ -13,7 +13,8 @@ all-gather); every rank derives the same plan of who reads which byte ranges and
 between ranks. Save: :mod:`.hf_write`.
 
 Names: the model's own (canonical) names, whatever wraps it (:mod:`shardpoint.state.naming`),
-matched to the stored ones directly, through a ``transformers`` model's
+with a mixture-of-experts layer's stacked experts taken as the per-expert tensors
+``save_pretrained`` stores (:mod:`.hf_experts`), matched to the stored ones directly, through a ``transformers`` model's
 ``base_model_prefix`` (a ``LlamaModel`` checkpoint into ``LlamaForCausalLM`` and back), or
 through ``rename``. Tied parameters are read once.
 
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from shardpoint.errors import CheckpointError, MissingKeysError, ShapeMismatchError
+from shardpoint.formats.hf_experts import expert_scheme, split_experts
 from shardpoint.formats.hf_read import (
     Box,
     locate,
@@ -234,7 +236,8 @@ def _model_targets(model: torch.nn.Module) -> tuple[dict[str, Shard], dict[str, 
     """The model's tensors as Shards under canonical keys, and ``{tied key: the key it shares a parameter with}``."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    shards = flatten_shards(naming.model_state(model), "")
+    # stacked experts (transformers' MoE layers) as the per-expert tensors checkpoints store
+    shards = split_experts(flatten_shards(naming.model_state(model), ""), expert_scheme(naming.unwrap(model)))
     first: dict[int, str] = {}
     tied: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
