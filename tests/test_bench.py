@@ -84,3 +84,18 @@ def test_store_bench_compares_the_clients_with_shardpoint_on_one_server(s3_serve
     assert report["save ÷ s3fs upload"] > 0 and report["load ÷ s3fs download"] > 0
     for line in report["missing"]:  # a client that is not installed is named, with how to add it
         assert "pip install" in line
+
+
+def test_the_moe_preset_holds_whole_experts_by_global_id_at_every_expert_parallel_size():
+    """ep=4 at 4 ranks, and the same experts, each on one rank, at the reshard phases' 2 and 1."""
+    from shardpoint.commands.bench_states import is_expert_key, preset_state
+
+    def experts(world: int) -> list[set[str]]:
+        states = [preset_state("moe", 8_000_000, rank, world, 4) for rank in range(world)]
+        return [{k for k in s if is_expert_key(k)} for s in states]
+
+    at4, at2, at1 = experts(4), experts(2), experts(1)
+    assert all(len(keys) == len(at4[0]) > 0 for keys in at4)  # 32 local experts each, 3 matrices, 3 kinds
+    assert set().union(*at4) == set().union(*at2) == at1[0]
+    assert sum(len(k) for k in at4) == len(at1[0])  # no expert on two ranks
+    assert "layers.0.experts.127.w2.exp_avg" in at4[3] and "layers.0.experts.64.w1.weight" in at2[1]

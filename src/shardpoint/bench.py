@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from shardpoint.commands.bench_states import (
     SHAPE_PRESETS,
+    is_expert_key,
     preset_state,
     sharded_train_state,
     state_bytes,
@@ -121,7 +122,10 @@ class Methods:
         from torch.distributed.tensor import DTensor, Shard
 
         mesh = init_device_mesh("cpu", (self.world,))
-        return {k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for k, t in tensors.items()}
+        return {
+            k: t if is_expert_key(k) else DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+            for k, t in tensors.items()
+        }
 
     def dcp_save(self) -> None:
         import torch.distributed.checkpoint as dcp
@@ -469,6 +473,9 @@ def run_bench(config: BenchConfig) -> int:
             }
             main = _launch(config.ranks, settings, root, "main")
             reshard = _launch(config.ranks // 2, settings, root, "reshard") if config.ranks > 1 else [{}]
+            if config.shapes == "moe" and config.ranks > 2:  # experts also to one rank: ep 4 -> 2 -> 1
+                one = _launch(1, settings, root, "reshard")[0]["shardpoint load (resharded)"]
+                reshard[0]["shardpoint load (resharded to 1 rank)"] = one
             reports.append(summarize(directory, config, main, reshard))
         finally:
             storage.remove(root)

@@ -12,6 +12,7 @@ __all__ = [
     "PRESET_DTYPES",
     "PRESET_KINDS",
     "SHAPE_PRESETS",
+    "is_expert_key",
     "preset_state",
     "sharded_train_state",
     "state_bytes",
@@ -42,7 +43,9 @@ SHAPE_PRESETS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     # equal 8 MiB tensors (weight and moments): 512 MiB is 64 tensors, a rank with few, large tensors
     "uniform-8mib": [("block", (1024, 2048))],
     # one expert-parallel rank of a mixture-of-experts model: 32 local experts of three bf16
-    # matrices per layer plus attention; 512 MB is 24 layers, about 7,000 items with Adam's moments
+    # matrices per layer plus attention; 512 MB is 24 layers, about 7,000 items with Adam's moments.
+    # Experts are whole tensors under their global id (Megatron's SequentialMLP convention):
+    # at --ranks 4 that is ep=4, and the reshard phases load them at ep=2 and ep=1
     "moe": [
         ("attn.qkv", (384, 1024)),
         ("attn.proj", (1024, 128)),
@@ -89,11 +92,27 @@ def preset_state(preset: str, total_bytes: int, rank: int, world: int, main_worl
     gen = torch.Generator().manual_seed(rank)
     state: dict[str, torch.Tensor] = {}
     for layer in range(layers):
-        for name, shape in shapes:
-            local = (shape[0] * main_world // world, *shape[1:])
+        for name, shape in _rank_shapes(shapes, rank, world, main_world):
             for kind in kinds:
-                state[f"layers.{layer}.{name}.{kind}"] = torch.rand(local, generator=gen).to(dtype)
+                state[f"layers.{layer}.{name}.{kind}"] = torch.rand(shape, generator=gen).to(dtype)
     return state
+
+
+def _rank_shapes(
+    shapes: list[tuple[str, tuple[int, ...]]], rank: int, world: int, main_world: int
+) -> list[tuple[str, tuple[int, ...]]]:
+    """This rank's names and shapes: dim 0 split anew, or whole experts renumbered (global ids) for ``world``."""
+    out = [(name, (shape[0] * main_world // world, *shape[1:])) for name, shape in shapes if not is_expert_key(name)]
+    experts = [(name.split(".", 2), shape) for name, shape in shapes if is_expert_key(name)]
+    local = len({e for (_, e, _), _ in experts}) * main_world // world  # local experts at this world size
+    for e in range(rank * local, (rank + 1) * local):
+        out += [(f"experts.{e}.{w}", shape) for (_, first, w), shape in experts if first == "0"]
+    return out
+
+
+def is_expert_key(key: str) -> bool:
+    """A whole expert's tensor, held by the one rank that owns that expert (not split over ranks)."""
+    return "experts." in key
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -108,6 +127,6 @@ def sharded_train_state(tensors: dict[str, torch.Tensor], world: int) -> Any:
 
     class Model(torch.nn.Module):
         def sharded_state_dict(self) -> dict[str, Any]:
-            return {k: sp.column_parallel(t, topo) for k, t in tensors.items()}
+            return {k: t if is_expert_key(k) else sp.column_parallel(t, topo) for k, t in tensors.items()}
 
     return topo, sp.TrainState(Model())
