@@ -284,3 +284,78 @@ def test_hugging_face_weights_to_and_from_the_cloud(cloud, cloud_bucket):
 def test_a_missing_bucket_is_named(cloud):
     with pytest.raises(sp.StorageError, match="no-such-bucket-here"):
         sp.Checkpointer(f"{cloud.scheme}://no-such-bucket-here/run").save(1, make_state())
+
+
+def _frozen_saves(rank: int, world: int, root: str, its: list[int]):
+    from tests.test_dedup import frozen_state, step
+
+    topo = sp.Topology(2, 1, 1)
+    state = frozen_state(topo)
+    ckpt = sp.Checkpointer(root, topology=topo, keep_last=2)
+    saved = {}
+    for it in its:
+        step(state, it)
+        ckpt.save(it, state)
+        saved[it] = toy.snapshot(state)
+    ckpt.close()
+    return saved
+
+
+def _load_frozen(rank: int, world: int, root: str, iteration: int):
+    from tests.test_dedup import frozen_state
+
+    topo = sp.Topology(2, 1, 1)
+    state = frozen_state(topo)
+    for p in state.model.parameters():
+        p.data.zero_()
+    result = sp.Checkpointer(root, topology=topo).load(state, iteration=iteration)
+    return {"iteration": result.iteration, "snapshot": toy.snapshot(state)}
+
+
+def _plain_dcp_load(rank: int, world: int, path: str):
+    """Plain DCP through fsspec's own registry (no shardpoint code): the model, and where each key is stored."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    reader = FsspecReader(path)
+    metadata = reader.read_metadata()
+    model = {
+        k: torch.zeros(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    dcp.load(model, storage_reader=reader, no_dist=True)
+    files: dict[str, set[str]] = {}
+    for index, info in metadata.storage_data.items():
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+    return model, files
+
+
+def test_frozen_tensors_are_copied_server_side_and_every_kept_checkpoint_is_whole(cloud, cloud_bucket):
+    """Issue 39 on object storage: unchanged frozen items are not uploaded again but copied by the store into
+    each checkpoint (``shared-<writer>-<file>``), so retention deletes freely and plain ``dcp.load`` reads any."""
+    from tests.test_dedup import is_frozen
+
+    root = f"{cloud_bucket}/lora"
+    saved = launch(_frozen_saves, 2, root, [1, 2, 3, 4], env=cloud.env)
+    fs = _fs(root)
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == ["iter_0000003", "iter_0000004", TRACKER]
+    for name in ("iter_0000003", "iter_0000004"):
+        marker = json.loads(fs.cat_file(f"{root}/{name}/shardpoint.json"))
+        copies = sorted(n for n in marker["files"] if n.startswith("shared-"))
+        assert copies == ["shared-iter_0000001-__0_0.distcp", "shared-iter_0000001-__1_0.distcp"], copies
+        assert not any(n.startswith("..") for n in marker["files"])
+    checked = run_cli(cloud.env, "verify", root, "--all", "--json")  # every file's checksum, copies included
+    assert checked.rc == 0 and checked.json()["ok"], checked.out + checked.err
+    for it in (3, 4):
+        loaded = launch(_load_frozen, 2, root, it, env=cloud.env)
+        for rank, result in enumerate(loaded):
+            for key, (_, _, tensor) in saved[rank][it]["tensors"].items():
+                assert torch.equal(result["snapshot"]["tensors"][key][2], tensor), (it, key)
+    ((plain, files),) = launch(_plain_dcp_load, 1, f"{root}/iter_0000004", env=cloud.env)
+    expected = toy.assemble([s[4] for s in saved])
+    assert any(is_frozen(k) for k in plain)
+    for key, tensor in plain.items():
+        assert torch.equal(tensor, expected[key]), key
+        # frozen items in the copies only (never uploaded again), trained ones in this save's own files
+        assert all(f.startswith("shared-") == is_frozen(key) for f in files[key]), (key, files[key])

@@ -25,12 +25,20 @@ Deciding "unchanged" costs no pass over the trained state:
 
 Only what this process wrote is referred to (hashes are kept in memory, per item box):
 the first save after a restart writes the frozen part once more.
+
+Object stores resolve no ``../`` in a key, and plain ``dcp.load`` must still read every
+checkpoint there. So on object storage a save copies the files holding its unchanged
+items server-side (S3 ``CopyObject``, GCS rewrite, Azure copy-blob:
+:meth:`StoredItems.copy_into`) into itself as ``shared-<writer>-<file>``: none of those
+bytes go through the client again, every checkpoint holds its own files (so retention
+there needs no references), and the next save copies from the newest one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +50,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from shardpoint.catalog.metadata import FileRecord, sibling_path
 
-__all__ = ["StoredItem", "StoredItems", "tensor_digest"]
+__all__ = ["StoredItem", "StoredItems", "copy_name", "referred_records", "referred_results", "tensor_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,11 @@ class StoredItem:
     offset: int
     length: int
     record: FileRecord
+
+    def name_in(self, dir_name: str) -> str:
+        """The name the checkpoint ``dir_name`` gives this item's file: its own, or ``../<writer>/<file>``."""
+        own = self.path.removeprefix(f"{dir_name}/")
+        return own if own != self.path else sibling_path(self.path)
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -120,6 +133,23 @@ class StoredItems:
             return plan, refer
         return dataclasses.replace(plan, items=[i for i in plan.items if i.index not in refer]), refer
 
+    def copy_into(self, refer: dict[Any, StoredItem], copy: Callable[[str, str], None]) -> dict[Any, StoredItem]:
+        """Copy the files ``refer`` points into into this save (``copy(source path, own name)``); the items there.
+
+        For stores where a checkpoint cannot refer to another's files (see the module
+        docstring); the next save refers to (and copies) these copies.
+        """
+        names = {stored.path: copy_name(stored.path) for stored in refer.values()}
+        for path, name in sorted(names.items()):
+            copy(path, name)
+            log.debug("copied %s into %s/%s (unchanged frozen items)", path, self.dir_name, name)
+        copied = {
+            index: dataclasses.replace(stored, path=f"{self.dir_name}/{names[stored.path]}")
+            for index, stored in refer.items()
+        }
+        self._pending.update((_box(index), stored) for index, stored in copied.items())
+        return copied
+
     def written(self, results: list[WriteResult], records: dict[str, FileRecord]) -> None:
         """Note the frozen items this save wrote (``records``: its files, by name in its directory)."""
         for result in results:
@@ -138,21 +168,30 @@ class StoredItems:
         self._pending = {}
 
 
-def referred_results(refer: dict[Any, StoredItem]) -> list[WriteResult]:
-    """DCP write results whose storage records point into the earlier checkpoints' files."""
+def referred_results(refer: dict[Any, StoredItem], dir_name: str) -> list[WriteResult]:
+    """DCP write results whose storage records point into the earlier checkpoints' files (or their copies)."""
     return [
         WriteResult(
             index=index,
             size_in_bytes=stored.length,
-            storage_data=_StorageInfo(sibling_path(stored.path), stored.offset, stored.length),
+            storage_data=_StorageInfo(stored.name_in(dir_name), stored.offset, stored.length),
         )
         for index, stored in refer.items()
     ]
 
 
-def referred_records(refer: dict[Any, StoredItem]) -> dict[str, FileRecord]:
-    """The marker's records of the files referred to, under the names a checkpoint gives them (``../...``)."""
-    return {sibling_path(stored.path): stored.record for stored in refer.values()}
+def referred_records(refer: dict[Any, StoredItem], dir_name: str) -> dict[str, FileRecord]:
+    """The marker's records of the files referred to, under the names the checkpoint gives them."""
+    return {stored.name_in(dir_name): stored.record for stored in refer.values()}
+
+
+def copy_name(path: str) -> str:
+    """A copied file's name in the copying checkpoint: ``shared-<the checkpoint that wrote it>-<its file>``.
+
+    A copy of a copy keeps the name, so names never grow and two files never collide.
+    """
+    writer, _, name = path.partition("/")
+    return name if name.startswith("shared-") else f"shared-{writer}-{name}"
 
 
 def _box(index: Any) -> tuple[str, tuple[int, ...]]:

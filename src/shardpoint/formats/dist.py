@@ -77,7 +77,14 @@ from shardpoint.state import naming, rank_local
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import Storage
-from shardpoint.storage.object_store import READ_BLOCK, WRITE_BLOCK, is_object_url, object_filesystem
+from shardpoint.storage.object_store import (
+    READ_BLOCK,
+    WRITE_BLOCK,
+    is_object_url,
+    object_filesystem,
+    retrying,
+    store_of,
+)
 from shardpoint.storage.safe_io import paused_gc
 
 __all__ = [
@@ -243,15 +250,19 @@ class _CompleteWrites:
     dedup: Any = None  # formats.dedup.StoredItems: frozen items stored already are referred to, not written
     frozen: frozenset[str] = frozenset()  # the keys dedup may refer to
     referred: Mapping[str, FileRecord] = MappingProxyType({})  # the earlier checkpoints' files referred to
+    copies_referred = False  # object stores: the files referred to are copied in, server-side (formats.dedup)
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
         to_write, refer = self.dedup.split(plan, planner, self.frozen) if self.dedup is not None else (plan, {})
+        if refer and self.copies_referred:
+            refer = self.dedup.copy_into(refer, self.copy_file)
         results = write_plan(self, to_write, planner)  # DCP's layout, fewer calls per item
+        dir_name = self.dedup.dir_name if self.dedup is not None else ""
         if self.dedup is not None:
             self.dedup.written(results, self.records())
-            self.referred = dedup.referred_records(refer)
+            self.referred = dedup.referred_records(refer, dir_name)
         future: Future = Future()
-        future.set_result(results + dedup.referred_results(refer))
+        future.set_result(results + dedup.referred_results(refer, dir_name))
         written = {result.index for result in future.value()}
         missing = [item.index.fqn for item in plan.items if item.index not in written]
         if missing:
@@ -286,9 +297,17 @@ class HashingFsspecWriter(_CompleteWrites, FsspecWriter):
         self.fs.fs = object_filesystem(path, WRITE_BLOCK)
         self.path = path
 
+    copies_referred = True
+
     def records(self) -> dict[str, FileRecord]:
         root = os.fspath(self.path).rstrip("/") + "/"
         return {p.removeprefix(root): r for p, r in self.fs.records.items()}
+
+    def copy_file(self, source: str, name: str) -> None:
+        """Copy ``source`` (a file of a checkpoint beside this one) into this checkpoint as ``name``, server-side."""
+        here = os.fspath(self.path).rstrip("/")
+        src, dst = f"{here.rpartition('/')[0]}/{source}", f"{here}/{name}"
+        retrying(lambda: self.fs.fs.copy(src, dst), f"copying {src} to {dst}", store_of(dst).is_transient)
 
 
 def dcp_writer(

@@ -420,16 +420,15 @@ def _clean_leftovers_if_unlocked(lock: DirectoryLock, storage: Storage, root: st
 def _stored_items(dedup: bool, storage: Storage, fmt: CheckpointFormat, node: Any, mirror: Any) -> StoredItems | None:
     """What saves refer to instead of writing frozen tensors again (:mod:`~shardpoint.formats.dedup`), or None.
 
-    Only for ``dist`` saves into one local directory: a mirror or node-local copies hold
-    each checkpoint's own files only, and object stores do not resolve ``../`` in a key.
+    Only for ``dist`` saves into one directory or object store prefix (object stores get
+    server-side copies, not references): a mirror or node-local copies hold each
+    checkpoint's own files only.
     """
     if not dedup:
         return None
     reason = (
         "the format is not dist"
         if fmt.name != "dist"
-        else "object storage does not resolve '../' references"
-        if not storage.is_local
         else "upload_to mirrors each checkpoint's own files"
         if mirror is not None or node is not None
         else None
