@@ -431,3 +431,48 @@ def test_node_replaced_resumes_from_the_local_tier(s3_server, bucket, tmp_path, 
     for before, after in zip(first, fallback):
         _same(before["steps"][12], after["loaded"]["snapshot"])
         _same(before["steps"][10], after["reloaded"]["snapshot"])
+
+
+def test_frozen_tensors_unchanged_since_the_last_local_save_are_linked_not_written(tmp_path):
+    """Issue 39 item 3, the local tier: a frozen base goes into frozen.pt, hard-linked to the previous copy's
+    while unchanged; the newest copy loads exactly after the older ones are pruned, and a base changed in place
+    is written again."""
+    from tests.test_dedup import frozen_state, step
+
+    topo = sp.Topology(1, 1, 1)
+    state = frozen_state(topo)
+    persistent, local = tmp_path / "p", tmp_path / "l"
+
+    def checkpointer() -> sp.Checkpointer:
+        return sp.Checkpointer(
+            str(persistent), topology=topo, local_dir=str(local), local_interval=1, local_keep=2, save_interval=100
+        )
+
+    ckpt = checkpointer()
+    inodes, snaps = {}, {}
+    for it in (1, 2, 3):
+        step(state, it)
+        ckpt.maybe_save(it, state)
+        ckpt.wait()
+        snaps[it] = toy.snapshot(state)
+        copy = _run(local, persistent) / f"local_{it:07d}/rank_00000"
+        inodes[it] = (copy / "frozen.pt").stat().st_ino
+    assert inodes[1] == inodes[2] == inodes[3]  # one file on disk for three copies
+    assert (_run(local, persistent) / "local_0000003/rank_00000/frozen.pt").stat().st_nlink == 2  # 2 kept
+    assert not (_run(local, persistent) / "local_0000001").exists()  # pruned: only its link went
+    with torch.no_grad():
+        next(p for p in state.model.parameters() if not p.requires_grad).add_(1.0)  # the base changes in place
+    step(state, 4)
+    ckpt.maybe_save(4, state)
+    ckpt.close()
+    snaps[4] = toy.snapshot(state)
+    assert (_run(local, persistent) / "local_0000004/rank_00000/frozen.pt").stat().st_ino != inodes[3]
+    for it in (4, 3):  # the newest first: loading an older iteration forgets the newer copies
+        fresh = frozen_state(topo)
+        for p in fresh.model.parameters():
+            p.data.zero_()
+        again = checkpointer()
+        result = again.load(fresh, iteration=it) if it == 3 else again.load(fresh)
+        again.close()
+        assert (result.iteration, result.tier) == (it, "local")
+        _same(snaps[it], toy.snapshot(fresh))

@@ -11,6 +11,13 @@ replicated, checked and fetched rank by rank, and writing them needs no collecti
 The file is read with ``torch.load(weights_only=True)`` (it holds tensors and plain
 values only): loading never runs code from it (invariant 6).
 
+Frozen parameters (``requires_grad=False``: a fine-tune's base) go into a second file,
+``frozen.pt``. When their bytes are unchanged since this rank's previous local save
+(the same xxh3-128 digest the persistent tier's dedup uses), the new copy's
+``frozen.pt`` is a hard link to the previous one's: nothing is written, each copy
+still holds all its files (deleting the older copy only drops a link), and a node
+whose filesystem refuses links writes the file as before.
+
 :class:`LocalSnapshotFormat` follows the :class:`~shardpoint.formats.base.CheckpointFormat`
 interface, so the load pipeline's steps (config check, missing-key check, optimizer
 shards, scheduler, RNG) run unchanged on it.
@@ -18,39 +25,68 @@ shards, scheduler, RNG) run unchanged on it.
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
+import xxhash
 
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
 from shardpoint.formats.base import FormatContext, Loaded, read_torch_file, unexpected_keys, write_torch_file
+from shardpoint.formats.dedup import tensor_digest
 from shardpoint.parallel import comm
 from shardpoint.state.train_state import FlatState
 
-__all__ = ["DATA_FILE", "LocalSnapshotFormat"]
+__all__ = ["DATA_FILE", "FROZEN_FILE", "LocalSnapshotFormat"]
+
+log = logging.getLogger(__name__)
 
 DATA_FILE = "state.pt"
+FROZEN_FILE = "frozen.pt"
 VERSION = 1
 
 
 class LocalSnapshotFormat:
-    """``format="local"``: this rank's state in ``state.pt``; every rank reads only its own."""
+    """``format="local"``: this rank's state in ``state.pt`` (and ``frozen.pt``); every rank reads only its own."""
 
     name = "local"
 
+    def __init__(self) -> None:
+        self._frozen: tuple[str, str, FileRecord] | None = None  # digest, where the published copy keeps it, record
+
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
-        """Write this rank's file into ``ctx.directory`` (no collective); its record, computed while writing."""
+        """Write this rank's files into ``ctx.directory`` (no collective); their records, computed while writing."""
+        trained = {k: s for k, s in flat.tensors.items() if k not in flat.frozen}
         payload = {
             "version": VERSION,
-            "tensors": {k: s.tensor for k, s in flat.tensors.items()},
-            "boxes": {k: [list(s.global_shape), list(s.global_offset)] for k, s in flat.tensors.items()},
+            **_tensors(trained),
             "rank_local": dict(flat.rank_local),
             "common": flat.common,
             "per_rank": flat.per_rank,
         }
         path = ctx.storage.join(ctx.directory, DATA_FILE)
-        return {DATA_FILE: write_torch_file(payload, path, ctx.storage)}
+        records = {DATA_FILE: write_torch_file(payload, path, ctx.storage)}
+        frozen = {k: s for k, s in flat.tensors.items() if k in flat.frozen}
+        if frozen:
+            records[FROZEN_FILE] = self._save_frozen(ctx, frozen)
+        return records
+
+    def _save_frozen(self, ctx: FormatContext, frozen: dict[str, Any]) -> FileRecord:
+        """``frozen.pt``: a hard link to the previous copy's when its tensors are unchanged, else written."""
+        digest = xxhash.xxh3_128("".join(f"{k}:{tensor_digest(s.tensor)}" for k, s in sorted(frozen.items())).encode())
+        path = ctx.storage.join(ctx.directory, FROZEN_FILE)
+        # where this copy's file will be once published (tier.marker.publish_copy: rank_NNNNN beside the tmp dir)
+        final = os.path.join(os.path.dirname(ctx.directory.rstrip("/")), f"rank_{comm.rank():05d}", FROZEN_FILE)
+        previous = self._frozen
+        if previous is not None and previous[0] == digest.hexdigest() and _link(previous[1], path, previous[2]):
+            log.debug("local tier: frozen tensors unchanged, %s linked to %s", path, previous[1])
+            self._frozen = (previous[0], final, previous[2])
+            return previous[2]
+        record = write_torch_file({"version": VERSION, **_tensors(frozen)}, path, ctx.storage)
+        self._frozen = (digest.hexdigest(), final, record)
+        return record
 
     def fingerprint(self, ctx: FormatContext, flat: FlatState) -> str | None:
         return None
@@ -69,14 +105,18 @@ class LocalSnapshotFormat:
         path = ctx.storage.join(ctx.directory, DATA_FILE)
 
         def read() -> Loaded:
-            payload = read_torch_file(ctx.storage, path, mmap=True)  # copied straight into the live tensors
-            if not isinstance(payload, dict) or payload.get("version") != VERSION:
-                raise CorruptCheckpointError(f"{path} is not a local-tier snapshot (version {VERSION})")
+            payload = _read(ctx, path)
+            size = ctx.storage.size(path)
+            if FROZEN_FILE in meta.files:
+                frozen_path = ctx.storage.join(ctx.directory, FROZEN_FILE)
+                frozen = _read(ctx, frozen_path)
+                for part in ("tensors", "boxes"):
+                    payload[part] = {**payload[part], **frozen[part]}
+                size += ctx.storage.size(frozen_path)
             with torch.no_grad():
                 missing = _fill(flat, payload, path)
             saved = set(payload["tensors"]) | set(payload["rank_local"])
             wanted = set(flat.tensors) | set(flat.rank_local)
-            size = ctx.storage.size(path)
             return Loaded(
                 payload["common"],
                 payload["per_rank"],
@@ -87,6 +127,31 @@ class LocalSnapshotFormat:
             )
 
         return comm.agree(read, "reading the local-tier checkpoint")
+
+
+def _tensors(shards: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tensors": {k: s.tensor for k, s in shards.items()},
+        "boxes": {k: [list(s.global_shape), list(s.global_offset)] for k, s in shards.items()},
+    }
+
+
+def _read(ctx: FormatContext, path: str) -> dict[str, Any]:
+    payload = read_torch_file(ctx.storage, path, mmap=True)  # copied straight into the live tensors
+    if not isinstance(payload, dict) or payload.get("version") != VERSION:
+        raise CorruptCheckpointError(f"{path} is not a local-tier snapshot (version {VERSION})")
+    return payload
+
+
+def _link(source: str, path: str, record: FileRecord) -> bool:
+    """Hard-link ``source`` (the previous copy's file, of ``record``'s size) to ``path``; False when not possible."""
+    try:
+        if os.path.getsize(source) != record.size:
+            return False
+        os.link(source, path)
+        return True
+    except OSError:  # gone (retention, a failed save), another filesystem, links refused
+        return False
 
 
 def _fill(flat: FlatState, payload: dict[str, Any], path: str) -> list[str]:
