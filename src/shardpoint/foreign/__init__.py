@@ -13,7 +13,8 @@
 
 Modules: ``_unpickle`` (allow-list loading), ``_types``, ``structure`` (split dims,
 QKV, GLU, vocab padding), ``megatron``, ``megatron_torch_dist``, ``megatron_distopt``
-(the distributed optimizer's bucket space), ``deepspeed``, ``importer``, ``exporter``,
+(the distributed optimizer's bucket space), ``megatron_moe`` (mixture-of-experts names,
+order and limits), ``deepspeed``, ``importer``, ``exporter``,
 ``llama`` (the Llama mapping, both ways), ``hf`` (GPT-2 mapping, family choice),
 ``hf_files`` (safetensors directories), ``hf_import``.
 """

@@ -37,6 +37,7 @@ class ForeignCheckpoint:
         path: the iteration directory read.
         iteration: the iteration (Megatron) or global step (DeepSpeed).
         tp, pp, dp: the layout it was saved at.
+        ep: the expert-parallel size it was saved at (1 without experts).
         optimizer_sharding: None, ``"distributed-optimizer"`` (Megatron) or ``"zero-N"``.
         params: full tensors under global names (global layer numbers), model order.
         optimizer: per parameter name, ``{"exp_avg": ..., "exp_avg_sq": ..., "step": ...}``.
@@ -46,6 +47,8 @@ class ForeignCheckpoint:
         consumed_samples: training samples consumed so far, when the tool records it.
         args: the source's args as JSON (see :func:`args_to_json`).
         split_dims: per parameter, the tensor-parallel dim (None: replicated).
+        buffers: the names in ``params`` that are persistent buffers, not parameters (a MoE
+            router's ``expert_bias``): no optimizer state, in no param group.
         extra: other small fields worth keeping (FLOPs so far, checkpoint version, RNG).
     """
 
@@ -56,6 +59,7 @@ class ForeignCheckpoint:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
     optimizer_sharding: str | None = None
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -65,6 +69,7 @@ class ForeignCheckpoint:
     args: dict[str, Any] = field(default_factory=dict)
     split_dims: dict[str, int | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    buffers: list[str] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
         """A JSON summary (tool, format, iteration, layout, optimizer sharding, counts)."""

@@ -153,6 +153,11 @@ def export_megatron(
     """
     if ckpt.tool != "megatron" or not ckpt.args:
         raise CheckpointError(f"{ckpt.path}: export to Megatron-LM needs a Megatron-LM source (its args)")
+    if ckpt.args.get("num_experts"):
+        raise CheckpointError(
+            f"{ckpt.path}: export of mixture-of-experts models (num_experts={ckpt.args['num_experts']}) to "
+            "Megatron-LM is not supported yet; load the imported checkpoint with shardpoint at any ep instead"
+        )
     args = _new_args(ckpt, tp, pp, dp, distributed_optimizer)
     root = os.fspath(dst)
     release = bool(ckpt.extra.get("release"))

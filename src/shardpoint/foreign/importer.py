@@ -13,6 +13,10 @@ for Megatron; the engine's names for DeepSpeed), and per parameter
 ``optimizer.state.<name>.exp_avg`` / ``exp_avg_sq`` / ``step`` (and ``master_param``
 where the weights are not fp32). Keeping the tool's names means a Megatron model's
 ``sharded_state_dict`` keys match with no renaming table, and export back is exact.
+Mixture-of-experts weights are stored per *global* expert id
+(``model.decoder.layers.0.mlp.experts.local_experts.<g>.linear_fc1.weight``), so they load
+at any ep (declare them with :func:`shardpoint.global_expert`); buffers (a MoE router's
+``expert_bias``) are model keys without optimizer state.
 
 ``common.pt`` carries ``optimizer_param_groups`` (hyperparameters per group), the
 scheduler state, ``extra`` (``consumed_samples``, ``flops``), and ``foreign``: the
@@ -193,6 +197,8 @@ def to_shardpoint(ckpt: ForeignCheckpoint) -> tuple[dict[str, torch.Tensor], dic
             "tp": ckpt.tp,
             "pp": ckpt.pp,
             "dp": ckpt.dp,
+            "ep": ckpt.ep,
+            "buffers": list(ckpt.buffers),
             "optimizer_sharding": ckpt.optimizer_sharding,
             "param_groups": [list(g.get("param_names", [])) for g in ckpt.param_groups],
             "checkpoint_version": ckpt.extra.get("checkpoint_version"),

@@ -24,8 +24,10 @@ Reading:
   each starting at a multiple of 64 elements, bucket-end padding stripped
   (:func:`buffer_layout` mirrors ``_ParamAndGradBuffer``).
 
-Limits: virtual pipeline stages (``model0``, ``model1``...) and fp16/bf16 master
-weights (``fp32_from_fp16_params``) are refused with an error rather than guessed.
+Limits: virtual pipeline stages (``model0``, ``model1``...), fp16/bf16 master
+weights (``fp32_from_fp16_params``) and mixture-of-experts models (``--num-experts``:
+their expert-parallel ``mp_rank_TT[_PPP]_EEE`` folders; ``torch_dist`` MoE checkpoints
+are imported) are refused with an error rather than guessed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
 from shardpoint.foreign._unpickle import load_foreign
+from shardpoint.foreign.megatron_moe import num_experts
 from shardpoint.foreign.structure import glu_from_tp, split_dim
 
 __all__ = ["MODEL_FILE", "OPTIM_FILE", "buffer_layout", "is_legacy_dir", "param_names", "read_legacy"]
@@ -50,13 +53,15 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
 _MP_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?$")
+_EP_DIR = re.compile(r"mp_rank_\d+_\d+_\d+$")
 _LAYER = re.compile(r"(?<![^.])layers\.(\d+)\.")
 
 
 def is_legacy_dir(directory: str) -> bool:
     """True when ``directory`` holds ``mp_rank_*/model_optim_rng.pt``."""
     return os.path.isdir(directory) and any(
-        _MP_DIR.match(n) and os.path.exists(os.path.join(directory, n, MODEL_FILE)) for n in os.listdir(directory)
+        (_MP_DIR.match(n) or _EP_DIR.match(n)) and os.path.exists(os.path.join(directory, n, MODEL_FILE))
+        for n in os.listdir(directory)
     )
 
 
@@ -74,15 +79,20 @@ def read_legacy(directory: str) -> ForeignCheckpoint:
         CheckpointError: a feature this reader does not support (named in the message).
     """
     ranks = _rank_dirs(directory)
+    states = {rank: load_foreign(os.path.join(directory, folder, MODEL_FILE)) for rank, folder in ranks.items()}
+    args = states[min(states)].get("args")
+    if num_experts(args):  # before the folder count: mp_rank_TT_EEE of ep ranks reads like mp_rank_TT_PPP
+        raise CheckpointError(
+            f"{directory}: legacy torch checkpoints of mixture-of-experts models (--num-experts) are not supported; "
+            "save with --ckpt-format torch_dist, which shardpoint imports"
+        )
     tp = max(t for t, _ in ranks) + 1
     pp = max(p for _, p in ranks) + 1
     if len(ranks) != tp * pp:
         raise CorruptCheckpointError(
             f"{directory}: expected {tp * pp} mp_rank_* folders for tp={tp} pp={pp}, found {len(ranks)}"
         )
-    states = {rank: load_foreign(os.path.join(directory, folder, MODEL_FILE)) for rank, folder in ranks.items()}
     first = states[(0, 0)]
-    args = first.get("args")
     for (t, p), state in states.items():
         if "model" not in state:
             keys = [k for k in state if str(k).startswith("model")]
@@ -162,6 +172,11 @@ def rng_to_safe(states: Any) -> Any:
 def _rank_dirs(directory: str) -> dict[tuple[int, int], str]:
     found = {}
     for name in sorted(os.listdir(directory)):
+        if _EP_DIR.match(name):
+            raise CheckpointError(
+                f"{os.path.join(directory, name)}: expert-parallel ranks (mp_rank_TT_PPP_EEE) of a mixture-of-experts "
+                "model; legacy torch MoE checkpoints are not supported, save with --ckpt-format torch_dist"
+            )
         match = _MP_DIR.match(name)
         if match and os.path.exists(os.path.join(directory, name, MODEL_FILE)):
             found[(int(match.group(1)), int(match.group(2) or 0))] = name

@@ -33,11 +33,17 @@ Each derived slice of ``param`` is then compared with the model weight itself, s
 wrong derivation is an error naming the parameter, never silently shuffled moments.
 The 64-element gaps are ``torch.empty`` memory in Megatron's files and are skipped.
 
-Refused, each named: virtual pipeline stages, uneven pipeline splits, mixture of
-experts (its expert-parallel buffers), multi-token prediction, fp8 parameters,
-Megatron FSDP, chained optimizers, and the deprecated layouts
-(``fully_sharded_model_space``, ``dp_zero_gather_scatter``). ``--no-optimizer``
-imports the weights of any of them.
+Mixture of experts (:mod:`.megatron_moe`): with ep=1 the experts are parameters of the
+one optimizer, in GPTModel order. With ep > 1 megatron-core chains two distributed
+optimizers, keys prefixed ``chained_0.`` (the dense parameters, groups by model-parallel
+rank as above) and ``chained_1.`` (the experts: ``dp_group_idx_<ep rank>`` holds that ep
+rank's experts, global ids ``r * E / ep ...``, in the same reversed, 64-aligned order).
+
+Refused, each named: virtual pipeline stages, uneven pipeline splits, the MoE layouts
+:func:`~shardpoint.foreign.megatron_moe.refuse_moe` names, multi-token
+prediction, fp8 parameters, Megatron FSDP, chained optimizers other than MoE's, and the
+deprecated layouts (``fully_sharded_model_space``, ``dp_zero_gather_scatter``).
+``--no-optimizer`` imports the weights of any of them.
 """
 
 from __future__ import annotations
@@ -50,6 +56,14 @@ from typing import Any
 import torch
 
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
+from shardpoint.foreign.megatron_moe import (
+    expert_id,
+    expert_parallel,
+    is_expert,
+    moe_rank,
+    num_experts,
+    refuse_moe,
+)
 from shardpoint.foreign.structure import glu_from_tp, glu_to_tp, split_dim
 
 __all__ = [
@@ -67,10 +81,12 @@ log = logging.getLogger(__name__)
 
 LAYOUTS = ("dp_reshardable", "fully_reshardable")
 MODEL_SPACE = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq|param)\.(.+)$")
+# an optional ``chained_<i>.`` prefix: the i-th optimizer of a ChainedOptimizer (MoE with ep > 1)
 _BUCKET = re.compile(
-    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)$"
+    r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)"
+    r"\.bucket_idx_(\d+)\.(\w+)$"
 )
-_OBJECT = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/")
+_OBJECT = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/")
 _ALIGN = 64  # _pad_start_of_param_if_needed: 128-byte aligned starts
 _NO_HINT = "; import with --no-optimizer to take the model weights only"
 
@@ -99,6 +115,7 @@ _LAYER_ORDER = (
     "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias",
 )
+_MOE_SLOT = 2 * _LAYER_ORDER.index("pre_mlp_layernorm.bias") + 1
 _FIRST_STAGE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _LAST_STAGE = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -111,7 +128,6 @@ _UNSUPPORTED_ARGS = (
     ("pipeline_model_parallel_layout", "a custom pipeline layout (--pipeline-model-parallel-layout)"),
     ("account_for_embedding_in_pipeline_split", "an uneven pipeline split (embedding counted as a layer)"),
     ("account_for_loss_in_pipeline_split", "an uneven pipeline split (loss counted as a layer)"),
-    ("num_experts", "mixture of experts (its expert-parallel grad buffers)"),
     ("mtp_num_layers", "multi-token prediction layers"),
     ("fp8_param_gather", "fp8 parameters (--fp8-param-gather)"),
     ("use_megatron_fsdp", "Megatron FSDP (its fsdp_dtensor layout)"),
@@ -132,12 +148,20 @@ def sharding_type(where: str, common: Mapping[str, Any], args: Any, keys: list[s
     """
     found = [k for k in keys if is_optimizer_key(k)]
     chained = [k for k in found if k.startswith("chained_")]
-    if chained:
+    if chained and expert_parallel(args) == 1:
         raise CheckpointError(f"{where}: optimizer keys such as {chained[0]!r} belong to a chained optimizer{_NO_HINT}")
+    if chained and len(chained) != len(found):
+        stray = next(k for k in found if not k.startswith("chained_"))
+        raise CorruptCheckpointError(f"{where}: {stray!r} has no chained_<i>. prefix beside {chained[0]!r}")
     if not getattr(args, "use_distributed_optimizer", False) or not found:
         return None
     declared = (common.get("optimizer") or {}).get("param_state_sharding_type")
     declared = declared or (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if chained and declared != "dp_reshardable":
+        raise CheckpointError(
+            f"{where}: mixture of experts with expert parallelism stores its chained optimizers as {declared!r}; "
+            f"only dp_reshardable is decoded for them{_NO_HINT}"
+        )
     if declared not in LAYOUTS:
         raise CheckpointError(
             f"{where}: the distributed optimizer's state is stored as {declared!r}; only {' and '.join(LAYOUTS)} "
@@ -150,12 +174,19 @@ def sharding_type(where: str, common: Mapping[str, Any], args: Any, keys: list[s
     return declared
 
 
-def split_buckets(state: dict[str, Any]) -> dict[tuple[int, int, str, int], dict[str, torch.Tensor]]:
-    """Remove the bucket-space tensors from ``state``: ``{(group, gbuf, dtype, bucket): {key: tensor}}``."""
-    buckets: dict[tuple[int, int, str, int], dict[str, torch.Tensor]] = {}
+Buckets = dict[tuple[int, int, str, int], dict[str, torch.Tensor]]  # (group, gbuf, dtype, bucket) -> tensors
+
+
+def split_buckets(state: dict[str, Any]) -> dict[int, Buckets]:
+    """Remove the bucket-space tensors from ``state``, per chained optimizer (0 without a prefix).
+
+    Returns ``{chain: {(group, gbuf, dtype, bucket): {key: tensor}}}``; empty without buckets.
+    """
+    buckets: dict[int, Buckets] = {}
     for key in [k for k in state if _BUCKET.match(k)]:
-        group, gbuf, dtype, bucket, name = _BUCKET.match(key).groups()  # type: ignore[union-attr]
-        buckets.setdefault((int(group), int(gbuf), dtype, int(bucket)), {})[name] = state.pop(key)
+        chain, group, gbuf, dtype, bucket, name = _BUCKET.match(key).groups()  # type: ignore[union-attr]
+        place = (int(group), int(gbuf), dtype, int(bucket))
+        buckets.setdefault(int(chain or 0), {}).setdefault(place, {})[name] = state.pop(key)
     return buckets
 
 
@@ -164,33 +195,36 @@ def _unwrap(value: Any) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
-def group_objects(objects: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
-    """``{model-parallel group: {"optimizer": ..., "per_bucket_numel_unpadded": ...}}`` from the pickled objects."""
-    result: dict[int, dict[str, Any]] = {}
+def group_objects(objects: Mapping[str, Any]) -> dict[int, dict[int, dict[str, Any]]]:
+    """``{chain: {group: {"optimizer": ..., "per_bucket_numel_unpadded": ...}}}`` from the pickled objects."""
+    result: dict[int, dict[int, dict[str, Any]]] = {}
     for key, value in objects.items():
         match = _OBJECT.match(key)
         if match:
-            result.setdefault(int(match.group(1)), {})[match.group(2)] = _unwrap(value)
+            chain, group, name = match.groups()
+            result.setdefault(int(chain or 0), {}).setdefault(int(group), {})[name] = _unwrap(value)
     return result
 
 
 def _refuse_unsupported(where: str, args: Any) -> None:
     problems = sorted({what for arg, what in _UNSUPPORTED_ARGS if getattr(args, arg, None) not in (None, False)})
-    if int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
-        problems.append("expert model parallelism")
     if problems:
         raise CheckpointError(
             f"{where}: the distributed optimizer's bucket layout is not derived for {'; '.join(problems)}{_NO_HINT}"
         )
+    refuse_moe(where, args, buckets=True, hint=_NO_HINT)
 
 
 def buffer_order(names: list[str], where: str) -> list[str]:
     """``names`` in megatron-core GPTModel's parameter order (the grad buffer holds them reversed)."""
 
-    def rank(name: str) -> tuple[int, int, int]:
+    def rank(name: str) -> tuple[int, ...]:
         match = _LAYER.match(name)
         if match and match.group(2) in _LAYER_ORDER:
-            return (1, int(match.group(1)), _LAYER_ORDER.index(match.group(2)))
+            return (1, int(match.group(1)), 2 * _LAYER_ORDER.index(match.group(2)))
+        in_moe = moe_rank(match.group(2)) if match else None
+        if match and in_moe is not None:  # a MoE layer's router, experts, shared experts: after pre_mlp_layernorm
+            return (1, int(match.group(1)), _MOE_SLOT, *in_moe)
         if name in _FIRST_STAGE:
             return (0, 0, _FIRST_STAGE.index(name))
         if name in _LAST_STAGE:
@@ -229,9 +263,14 @@ def _stage_names(params: Mapping[str, torch.Tensor], args: Any, pp: int, where: 
     return [buffer_order(names, where) for names in stages]
 
 
+def _tp_dim(name: str) -> int | None:
+    """The dim a parameter is split along over tp: experts are whole (expert tp > 1 is refused)."""
+    return None if is_expert(name) else split_dim(name)
+
+
 def _local_piece(name: str, tensor: torch.Tensor, t: int, tp: int, swiglu: bool) -> torch.Tensor:
     """Rank ``t``'s tensor-parallel piece of a global tensor, as that rank holds it."""
-    dim = split_dim(name)
+    dim = _tp_dim(name)
     if dim is None or tp == 1 or tensor.dim() == 0:
         return tensor
     if swiglu and "linear_fc1" in name and dim == 0:
@@ -325,7 +364,7 @@ def _check_recorded(label: str, recorded: Any, gbuf: int, sizes: list[int]) -> N
 
 def _merge(name: str, key: str, pieces: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
     """Tensor-parallel pieces of one state of ``name`` joined as its global tensor."""
-    dim = split_dim(name)
+    dim = _tp_dim(name)
     if len(pieces) == 1 or dim is None or pieces[0].dim() == 0:
         for i, piece in enumerate(pieces[1:], 1):
             if not torch.equal(piece, pieces[0]):
@@ -342,7 +381,7 @@ def decode_buckets(
     where: str,
     args: Any,
     params: Mapping[str, torch.Tensor],
-    buckets: dict[tuple[int, int, str, int], dict[str, torch.Tensor]],
+    buckets: Mapping[int, Buckets],
     objects: Mapping[str, Any],
 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
     """Per parameter (global name) its ``param``/``exp_avg``/``exp_avg_sq``, and the optimizer's param groups.
@@ -350,15 +389,42 @@ def decode_buckets(
     Args:
         where: the iteration directory, for messages.
         args: the checkpoint's Megatron args (``common.pt``).
-        params: the model's global tensors under legacy names (layers unstacked).
+        params: the model's global parameters under legacy names (layers unstacked, experts
+            split per global id); no buffers.
         buckets: from :func:`split_buckets`.
         objects: the pickled objects read from the DCP files (hyperparameters, bucket sizes).
+
+    Returns:
+        The moments, and the param groups of each chained optimizer in turn (dense, then experts).
 
     Raises:
         CheckpointError: a feature whose layout is not derived (named).
         CorruptCheckpointError: the buckets do not match the parameters (the first mismatch named).
     """
     _refuse_unsupported(where, args)
+    extras = group_objects(objects)
+    ep = expert_parallel(args)
+    experts = {n: t for n, t in params.items() if ep > 1 and is_expert(n)}
+    chains = [0, 1] if experts else [0]
+    if sorted(buckets) != chains:
+        found = ", ".join(f"chained_{c}" for c in sorted(buckets)) or "none"
+        raise CorruptCheckpointError(
+            f"{where}: the distributed optimizer's buckets belong to optimizers [{found}], but "
+            + (f"ep={ep} needs chained_0 (dense) and chained_1 (experts)" if experts else "one optimizer was expected")
+        )
+    dense = {n: t for n, t in params.items() if n not in experts}
+    moments = _decode_dense(where, args, dense, buckets[0], extras.get(0, {}))
+    hyper = list((extras.get(0, {}).get(0, {}).get("optimizer") or {}).get("param_groups") or [])
+    if experts:
+        moments |= _decode_experts(where, args, experts, buckets[1], extras.get(1, {}))
+        hyper += list((extras.get(1, {}).get(0, {}).get("optimizer") or {}).get("param_groups") or [])
+    return moments, hyper
+
+
+def _decode_dense(
+    where: str, args: Any, params: Mapping[str, torch.Tensor], buckets: Buckets, extras: Mapping[int, Any]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The moments of the parameters in the model-parallel ranks' buffers (one optimizer group per rank)."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     swiglu = bool(getattr(args, "swiglu", False))
@@ -368,7 +434,6 @@ def decode_buckets(
             f"{where}: distributed-optimizer groups {groups}, but tp={tp} x pp={pp} needs one per model-parallel rank"
         )
     stages = _stage_names(params, args, pp, where)
-    extras = group_objects(objects)
     per_rank = {}
     for group in groups:
         t, p = group % tp, group // tp
@@ -381,9 +446,35 @@ def decode_buckets(
         for name in (n for n in names if n in params):
             pieces = [per_rank[(t, p)][name] for t in range(tp)]
             moments[name] = {k: _merge(name, k, [pc[k] for pc in pieces], swiglu) for k in pieces[0]}
-    hyper = (extras.get(0, {}).get("optimizer") or {}).get("param_groups") or []
     log.debug("%s: decoded %d buckets of %d model-parallel ranks", where, len(buckets), len(groups))
-    return moments, list(hyper)
+    return moments
+
+
+def _decode_experts(
+    where: str, args: Any, experts: Mapping[str, torch.Tensor], buckets: Buckets, extras: Mapping[int, Any]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The experts' moments from the expert optimizer (``chained_1``): ``dp_group_idx_<r>`` holds ep rank r's experts.
+
+    Expert tp is 1 and pp is 1 (else refused), so group ``r`` of the expert tensor/expert/
+    pipeline group is ep rank ``r``; its buffer holds global experts ``r * E/ep ...``, whole.
+    """
+    ep, total = expert_parallel(args), num_experts(args)
+    if total % ep:
+        raise CorruptCheckpointError(f"{where}: num_experts={total} does not divide by ep={ep} in the args")
+    groups = sorted({key[0] for key in buckets})
+    if groups != list(range(ep)):
+        raise CorruptCheckpointError(
+            f"{where}: the expert optimizer (chained_1) has groups {groups}, but ep={ep} needs one per ep rank"
+        )
+    per_rank = total // ep
+    moments = {}
+    for r in groups:
+        names = buffer_order([n for n in experts if expert_id(n) // per_rank == r], where)
+        recorded = extras.get(r, {}).get("per_bucket_numel_unpadded")
+        label = f"{where} (expert optimizer chained_1, ep rank {r})"
+        moments.update(_rank_moments(label, r, names, {n: experts[n] for n in names}, buckets, recorded))
+    log.debug("%s: decoded the experts of %d ep ranks", where, ep)
+    return moments
 
 
 def settle_master(name: str, entry: dict[str, torch.Tensor], weight: torch.Tensor, where: str) -> None:

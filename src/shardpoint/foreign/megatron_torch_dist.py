@@ -11,7 +11,10 @@ undone here so both formats import to the same keys:
   the names Transformer Engine fuses them into (``self_attention.linear_qkv.layer_norm_*``
   for ``input_layernorm.*``, ``mlp.linear_fc1.layer_norm_*`` for ``pre_mlp_layernorm.*``);
 * optimizer state is ``optimizer.state.<exp_avg|exp_avg_sq>.<param key>``, sharded
-  like its parameter, and the step is ``common.pt``'s ``optimizer.state.common_step``.
+  like its parameter, and the step is ``common.pt``'s ``optimizer.state.common_step``;
+* mixture-of-experts layers stack their experts over ``[layer, global expert]``; they
+  are split into GPTModel's per-expert names with global ids, and the router's
+  ``expert_bias`` is kept as a buffer (:mod:`.megatron_moe`).
 
 Non-tensor objects (``ShardedObject``: RNG state, ``_extra_state``) are pickled
 ``torch.save`` bytes inside the DCP files; DCP would ``torch.load`` them with
@@ -51,6 +54,15 @@ from shardpoint.foreign.megatron_distopt import (
     settle_master,
     sharding_type,
     split_buckets,
+)
+from shardpoint.foreign.megatron_moe import (
+    expert_parallel,
+    is_buffer,
+    is_expert,
+    moe_rank,
+    num_experts,
+    refuse_moe,
+    split_experts,
 )
 from shardpoint.foreign.structure import split_dim
 from shardpoint.offline import single_process
@@ -115,6 +127,7 @@ def read_torch_dist(directory: str, optimizer: bool = True) -> ForeignCheckpoint
     """
     common = load_foreign(os.path.join(directory, "common.pt"))
     args = common.get("args")
+    refuse_moe(directory, args, buckets=False)
     reader = _Reader(directory)
     metadata = reader.read_metadata()
     state: dict[str, Any] = {}
@@ -146,6 +159,7 @@ def read_torch_dist(directory: str, optimizer: bool = True) -> ForeignCheckpoint
         tp=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
         pp=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
         dp=int(getattr(args, "data_parallel_size", 1) or 1),
+        ep=expert_parallel(args),
         optimizer_sharding="distributed-optimizer" if getattr(args, "use_distributed_optimizer", False) else None,
         scheduler=dict(common.get("opt_param_scheduler") or {}),
         consumed_samples=getattr(args, "consumed_train_samples", None),
@@ -162,16 +176,19 @@ def read_torch_dist(directory: str, optimizer: bool = True) -> ForeignCheckpoint
         if value is None:
             continue
         match = _OPT.match(key)
-        for name, tensor in _unstack(key if not match else match.group(2), value, num_layers, local_spec):
+        pairs = _unstack(key if not match else match.group(2), value, num_layers, local_spec)
+        for name, tensor in split_experts(pairs, num_experts(args), directory):
             if match:
                 moments.setdefault(name, {})[match.group(1)] = tensor
             else:
                 ckpt.params[name] = tensor
                 ckpt.split_dims[name] = split_dim(name)
     ckpt.params = model_order(ckpt.params)
+    ckpt.buffers = [name for name in ckpt.params if is_buffer(name)]
     groups, step = _hyperparameters(common, layout)
     if buckets:
-        moments, groups = decode_buckets(directory, args, ckpt.params, buckets, planner.objects)
+        trained = {n: t for n, t in ckpt.params.items() if n not in ckpt.buffers}
+        moments, groups = decode_buckets(directory, args, trained, buckets, planner.objects)
         step = next((g["step"] for g in groups if g.get("step") is not None), None)
     for name in ckpt.params:
         entry = moments.pop(name, {})
@@ -182,7 +199,7 @@ def read_torch_dist(directory: str, optimizer: bool = True) -> ForeignCheckpoint
     if moments:
         raise CorruptCheckpointError(f"{directory}: optimizer state for unknown parameters {sorted(moments)[:3]}")
     ckpt.extra["rng_state"] = _rng_states(planner.objects)
-    ckpt.param_groups = _groups({"optimizer": {"param_groups": groups}}, ckpt.params)
+    ckpt.param_groups = _groups(groups, ckpt.params, ckpt.buffers)
     return ckpt
 
 
@@ -250,18 +267,32 @@ _LAYER_ORDER = [
 ]
 
 
-def _within_layer(rest: str) -> tuple[int, int]:
+def _within_layer(rest: str) -> tuple[int, ...]:
     for i, module in enumerate(_LAYER_ORDER):
         if rest.startswith(module + "."):
-            return (i, 0 if rest.endswith("weight") else 1)
-    return (len(_LAYER_ORDER), 0)
+            return (2 * i, 0 if rest.endswith("weight") else 1)
+    in_moe = moe_rank(rest)
+    if in_moe is not None:  # a MoE layer's router, experts, shared experts: after pre_mlp_layernorm
+        return (2 * _LAYER_ORDER.index("pre_mlp_layernorm") + 1, *in_moe)
+    return (2 * len(_LAYER_ORDER), 0)
 
 
-def _groups(common: dict, params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-    groups = ((common.get("optimizer") or {}).get("param_groups")) or []
+def _groups(groups: list[dict[str, Any]], params: dict[str, torch.Tensor], buffers: list[str]) -> list[dict[str, Any]]:
+    """Each optimizer group with the names of its parameters, by Megatron's rule (no weight decay: biases, 1-dim).
+
+    Groups of a MoE model's expert optimizer (``is_expert_parallel``) hold the experts, the
+    others the rest; buffers are in none.
+    """
+    by_expert = any(g.get("is_expert_parallel") for g in groups)
     result = []
     for group in groups:
         no_wd = float(group.get("wd_mult", 1.0)) == 0.0
-        names = [n for n, t in params.items() if (n.endswith(".bias") or t.dim() == 1) == no_wd]
+        names = [
+            n
+            for n, t in params.items()
+            if n not in buffers
+            and (n.endswith(".bias") or t.dim() == 1) == no_wd
+            and (not by_expert or is_expert(n) == bool(group.get("is_expert_parallel")))
+        ]
         result.append({k: v for k, v in group.items() if k not in ("params", "step")} | {"param_names": names})
     return result

@@ -1,0 +1,157 @@
+"""Megatron-LM mixture-of-experts layers in ``torch_dist`` checkpoints: names, order and limits.
+
+What megatron-core 0.16.1 writes for a MoE ``GPTModel`` (``--num-experts``, ``SequentialMLP``
+experts; checked against ``tests/fixtures/megatron-moe``, written by Megatron-LM's own
+``save_checkpoint``):
+
+* experts are stacked over layers *and global experts*:
+  ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is ``[layers, experts, ...]``;
+  after the layer unstacking, :func:`split_experts` gives each global expert ``g`` its
+  GPTModel name ``decoder.layers.<l>.mlp.experts.local_experts.<g>.linear_fc1.weight``
+  (on ep rank ``r`` that was local expert ``g - r * E / ep``; at ep=1 local = global);
+* the router (``mlp.router.weight``) and the shared experts (``mlp.shared_experts.*``) are
+  dense parameters; ``mlp.router.expert_bias`` (``--moe-router-enable-expert-bias``) is a
+  persistent *buffer*: no optimizer state, in no optimizer group (:func:`is_buffer`);
+* GPTModel registers, inside a MoE layer, after ``pre_mlp_layernorm``: the router, the
+  experts by local index (``linear_fc1`` before ``linear_fc2``), the shared experts
+  (:func:`moe_rank`), which fixes where each lies in the distributed optimizer's buckets;
+* with expert parallelism (ep > 1) the experts have their own grad buffer and their own
+  distributed optimizer: the optimizer is a ``ChainedOptimizer`` whose keys carry
+  ``chained_0.`` (dense) and ``chained_1.`` (experts, ``dp_group_idx_<ep rank>``).
+  With ep=1 the experts are ordinary parameters of the one optimizer (no prefix).
+
+Refused, each named (:func:`refuse_moe`): grouped-GEMM experts
+(``--moe-grouped-gemm``: ``GroupedMLP`` / ``TEGroupedMLP`` hold other parameters), MoE
+layers mixed with dense ones (``--moe-layer-freq``), latent MoE; and for the optimizer's
+buckets, expert tensor parallelism (etp > 1) and expert parallelism with pipeline stages,
+whose group numbering is not derived here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from shardpoint.errors import CheckpointError, CorruptCheckpointError
+
+__all__ = [
+    "expert_id",
+    "expert_parallel",
+    "is_buffer",
+    "is_expert",
+    "moe_rank",
+    "num_experts",
+    "refuse_moe",
+    "split_experts",
+]
+
+_STACKED = re.compile(r"^(.*\.mlp\.experts\.)experts\.(linear_fc[12]\.(?:weight|bias))$")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_ROUTER = ("mlp.router.weight", "mlp.router.bias", "mlp.router.expert_bias")
+_EXPERT_PARTS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+_SHARED = (*(f"mlp.shared_experts.{p}" for p in _EXPERT_PARTS), "mlp.shared_experts.gate_weight")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_BUFFERS = ("mlp.router.expert_bias",)
+
+
+def num_experts(args: Any) -> int:
+    """The number of routed experts per MoE layer in Megatron's args; 0 for a dense model."""
+    return int(getattr(args, "num_experts", None) or 0)
+
+
+def expert_parallel(args: Any) -> int:
+    """The expert-parallel size the checkpoint was saved at (1 without experts)."""
+    return int(getattr(args, "expert_model_parallel_size", 1) or 1) if num_experts(args) else 1
+
+
+def is_expert(name: str) -> bool:
+    """Whether ``name`` is a routed expert's parameter (``...mlp.experts.local_experts.<g>...``)."""
+    return _EXPERT.search(name) is not None
+
+
+def expert_id(name: str) -> int:
+    """The global expert id in an expert parameter's name."""
+    match = _EXPERT.search(name)
+    if match is None:
+        raise ValueError(f"{name} is not a routed expert's parameter")
+    return int(match.group(1))
+
+
+def is_buffer(name: str) -> bool:
+    """Whether ``name`` is a persistent buffer of a MoE layer (the router's ``expert_bias``): no optimizer state."""
+    return name.endswith(_BUFFERS)
+
+
+def moe_rank(rest: str) -> tuple[int, int, int] | None:
+    """Registration order of a MoE layer's tensor (name inside its layer), or None when it is not one.
+
+    ``(0, 0, i)`` router, ``(1, expert, i)`` routed experts, ``(2, 0, i)`` shared experts.
+    """
+    if rest in _ROUTER:
+        return (0, 0, _ROUTER.index(rest))
+    match = _LOCAL_EXPERT.match(rest)
+    if match and match.group(2) in _EXPERT_PARTS:
+        return (1, int(match.group(1)), _EXPERT_PARTS.index(match.group(2)))
+    if rest in _SHARED:
+        return (2, 0, _SHARED.index(rest))
+    return None
+
+
+def split_experts(pairs: list[tuple[str, torch.Tensor]], experts: int, where: str) -> list[tuple[str, torch.Tensor]]:
+    """``...mlp.experts.experts.<p>`` ``[E, ...]`` (one layer's stacked experts) as ``...local_experts.<g>.<p>``.
+
+    Other names pass unchanged.
+
+    Raises:
+        CorruptCheckpointError: the stacked tensor's first dim is not the args' ``num_experts``.
+    """
+    result = []
+    for name, tensor in pairs:
+        match = _STACKED.match(name)
+        if match is None:
+            result.append((name, tensor))
+            continue
+        if tensor.dim() == 0 or tensor.shape[0] != experts:
+            raise CorruptCheckpointError(
+                f"{where}: {name} should stack num_experts={experts} experts in its first dim, "
+                f"has shape {tuple(tensor.shape)}; the args and the weights disagree"
+            )
+        head, tail = match.groups()
+        result += [(f"{head}local_experts.{g}.{tail}", tensor[g].clone()) for g in range(experts)]
+    return result
+
+
+def refuse_moe(where: str, args: Any, *, buckets: bool, hint: str = "") -> None:
+    """Raise naming the MoE features this reader does not decode; nothing for a dense model.
+
+    Args:
+        buckets: also refuse what the distributed optimizer's bucket layout is not derived for.
+        hint: appended to the message (how to import less).
+    """
+    if not num_experts(args):
+        return
+    problems = []
+    if getattr(args, "moe_grouped_gemm", False) or getattr(args, "moe_use_legacy_grouped_gemm", False):
+        problems.append("grouped-GEMM experts (--moe-grouped-gemm: GroupedMLP / TEGroupedMLP parameters)")
+    freq = getattr(args, "moe_layer_freq", 1)
+    if not (freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))):
+        problems.append(f"MoE layers mixed with dense layers (--moe-layer-freq {freq!r})")
+    if getattr(args, "moe_latent_size", None):
+        problems.append("latent MoE (--moe-latent-size)")
+    if problems:
+        raise CheckpointError(f"{where}: mixture-of-experts checkpoints with {'; '.join(problems)} are not supported")
+    if not buckets:
+        return
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or 1)
+    if etp > 1:
+        problems.append(f"expert tensor parallelism (--expert-tensor-parallel-size {etp})")
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if expert_parallel(args) > 1 and pp > 1:
+        problems.append(f"expert parallelism (ep={expert_parallel(args)}) with pipeline stages (pp={pp})")
+    if problems:
+        raise CheckpointError(
+            f"{where}: the distributed optimizer's bucket layout is not derived for mixture of experts with "
+            f"{'; '.join(problems)}{hint}"
+        )
