@@ -153,3 +153,19 @@ def test_an_expert_sharded_model_loads_its_own_experts_and_saves_what_from_pretr
     reloaded = model_class(family).from_pretrained(out)
     for key, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, expected[key]), key
+
+
+def test_only_families_that_transformers_stores_per_expert_are_split():
+    """gpt-oss keeps its stacked experts on disk as in memory; splitting them would miss every stored key."""
+    from shardpoint.formats.hf_experts import expert_scheme
+
+    class Holder(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+    assert expert_scheme(Holder(transformers.GptOssConfig())) is None
+    assert expert_scheme(Holder(transformers.LlamaConfig())) is None
+    assert expert_scheme(torch.nn.Linear(2, 2)) is None
+    assert expert_scheme(Holder(config("mixtral")))[1:] == ("w1", "w3", "w2")
+    assert expert_scheme(Holder(config("qwen3_moe")))[1:] == ("gate_proj", "up_proj", "down_proj")

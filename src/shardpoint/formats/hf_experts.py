@@ -4,7 +4,7 @@ transformers 5 keeps a mixture-of-experts layer's experts as two stacked paramet
 ``experts.gate_up_proj`` ``[E, 2F, H]`` (each expert's gate rows, then its up rows) and
 ``experts.down_proj`` ``[E, H, F]``, but ``save_pretrained`` writes, and Hub checkpoints
 hold, one tensor per expert and projection, under one of two naming schemes
-(transformers' own ``conversion_mapping``):
+(transformers' own ``conversion_mapping``, which :func:`expert_scheme` consults):
 
 * Mixtral (and MiniMax): ``block_sparse_moe.experts.<e>.w1`` (gate), ``w3`` (up), ``w2``
   (down) and the router ``block_sparse_moe.gate``;
@@ -33,22 +33,44 @@ __all__ = ["expert_scheme", "split_experts"]
 # (module renames applied to the layer prefix, gate, up, down) per naming scheme
 _MIXTRAL = ((".mlp.", ".block_sparse_moe."), "w1", "w3", "w2")
 _GATE_UP_DOWN = (None, "gate_proj", "up_proj", "down_proj")
-_MIXTRAL_TYPES = ("mixtral", "minimax", "minimax_m2")
 _STACKED = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<which>gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(?P<prefix>.*)\.mlp\.gate\.weight$")
 
 
-def expert_scheme(model: torch.nn.Module) -> tuple:
-    """The on-disk naming of ``model``'s experts, from its ``transformers`` config's ``model_type``."""
-    config = getattr(model, "config", None)
-    return _MIXTRAL if getattr(config, "model_type", None) in _MIXTRAL_TYPES else _GATE_UP_DOWN
+def expert_scheme(model: torch.nn.Module) -> tuple | None:
+    """The on-disk naming of ``model``'s experts, or None when they are stored as they are held.
+
+    Decided by transformers' own checkpoint conversion table for the model's ``model_type``:
+    only the families it converts from per-expert keys are split (gpt-oss, for one, stores
+    its stacked experts as they are).
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model_type, str):
+        return None
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without conversion tables stores what it holds
+        return None
+    sources = {p for c in get_checkpoint_conversion_mapping(model_type) or [] for p in _patterns(c)}
+    if any(p.endswith(".experts.*.w1.weight") for p in sources):
+        return _MIXTRAL
+    if any(p.endswith("experts.*.gate_proj.weight") for p in sources):
+        return _GATE_UP_DOWN
+    return None
 
 
-def split_experts(shards: Mapping[str, Shard], scheme: tuple) -> dict[str, Shard]:
+def _patterns(converter: object) -> list[str]:
+    found = getattr(converter, "source_patterns", None) or []
+    return [found] if isinstance(found, str) else [p for p in found if isinstance(p, str)]
+
+
+def split_experts(shards: Mapping[str, Shard], scheme: tuple | None) -> dict[str, Shard]:
     """``shards`` with every stacked expert parameter replaced by the per-expert tensors its box covers.
 
     Other keys pass through, except Mixtral's router, which is renamed as it is stored.
     """
+    if scheme is None:
+        return dict(shards)
     rename, gate, up, down = scheme
     out: dict[str, Shard] = {}
     for key, shard in shards.items():
