@@ -359,3 +359,30 @@ def test_frozen_tensors_are_copied_server_side_and_every_kept_checkpoint_is_whol
         assert torch.equal(tensor, expected[key]), key
         # frozen items in the copies only (never uploaded again), trained ones in this save's own files
         assert all(f.startswith("shared-") == is_frozen(key) for f in files[key]), (key, files[key])
+
+
+def test_a_copy_source_deleted_between_saves_is_written_again(s3_server, bucket):
+    """The newest checkpoint removed by hand (an outside prune) before the next save: that save writes its
+    frozen items again instead of failing, and loads exactly."""
+    from tests.test_dedup import frozen_state, step
+
+    root = f"{bucket}/lora"
+    topo = sp.Topology(1, 1, 1)
+    state = frozen_state(topo)
+    ckpt = sp.Checkpointer(root, topology=topo)
+    for it in (1, 2):
+        step(state, it)
+        ckpt.save(it, state)
+    fs = _fs(root)
+    fs.rm(f"{root}/iter_0000002", recursive=True)
+    step(state, 3)
+    ckpt.save(3, state)
+    ckpt.close()
+    marker = json.loads(fs.cat_file(f"{root}/iter_0000003/shardpoint.json"))
+    assert not any(n.startswith("shared-") for n in marker["files"])  # written, not copied
+    fresh = frozen_state(topo)
+    for p in fresh.model.parameters():
+        p.data.zero_()
+    assert sp.Checkpointer(root, topology=topo).load(fresh).iteration == 3
+    for key, (_, _, tensor) in toy.snapshot(state)["tensors"].items():
+        assert torch.equal(toy.snapshot(fresh)["tensors"][key][2], tensor), key

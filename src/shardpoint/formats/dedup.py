@@ -137,16 +137,23 @@ class StoredItems:
         """Copy the files ``refer`` points into into this save (``copy(source path, own name)``); the items there.
 
         For stores where a checkpoint cannot refer to another's files (see the module
-        docstring); the next save refers to (and copies) these copies.
+        docstring); the next save refers to (and copies) these copies. Items whose file
+        could not be copied are left out: the caller writes them.
         """
         names = {stored.path: copy_name(stored.path) for stored in refer.values()}
         for path, name in sorted(names.items()):
-            copy(path, name)
-            log.debug("copied %s into %s/%s (unchanged frozen items)", path, self.dir_name, name)
+            try:
+                copy(path, name)
+            except Exception as exc:  # noqa: BLE001 - deleted meanwhile, refused, ...: its items are written instead
+                log.warning("could not copy %s into %s (%s); writing its frozen items again", path, self.dir_name, exc)
+                del names[path]
         copied = {
             index: dataclasses.replace(stored, path=f"{self.dir_name}/{names[stored.path]}")
             for index, stored in refer.items()
+            if stored.path in names
         }
+        for index in refer.keys() - copied.keys():
+            self._pending.pop(_box(index), None)
         self._pending.update((_box(index), stored) for index, stored in copied.items())
         return copied
 

@@ -18,6 +18,7 @@ rank, restored only at the same layout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -255,7 +256,10 @@ class _CompleteWrites:
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
         to_write, refer = self.dedup.split(plan, planner, self.frozen) if self.dedup is not None else (plan, {})
         if refer and self.copies_referred:
-            refer = self.dedup.copy_into(refer, self.copy_file)
+            copied = self.dedup.copy_into(refer, self.copy_file)
+            if len(copied) < len(refer):  # a file that could not be copied: its items are written
+                to_write = dataclasses.replace(plan, items=[i for i in plan.items if i.index not in copied])
+            refer = copied
         results = write_plan(self, to_write, planner)  # DCP's layout, fewer calls per item
         dir_name = self.dedup.dir_name if self.dedup is not None else ""
         if self.dedup is not None:
