@@ -113,10 +113,11 @@ def test_megatron_buckets_with_a_gap_are_named(monkeypatch):
 
     def with_a_gap(state):
         """The checkpoint as if its first bucket were stored as bucket_idx_3 (a gap at 0)."""
-        buckets = split(state)
+        chains = split(state)  # {chained optimizer: {(group, gbuf, dtype, bucket): tensors}}
+        buckets = chains[0]
         first = min(buckets)
         buckets[(*first[:3], 3)] = buckets.pop(first)
-        return buckets
+        return chains
 
     monkeypatch.setattr(megatron_torch_dist, "split_buckets", with_a_gap)
     with pytest.raises(CorruptCheckpointError, match=r"bucket indices .* have gaps \(no bucket_idx_0\)"):
