@@ -198,6 +198,8 @@ def _megatron_hf(out: Output, args: argparse.Namespace, ckpt: ForeignCheckpoint)
         if "activation_function" in config
         else f"{config['num_key_value_heads']} kv heads, rope_theta {config['rope_theta']:g}"
     )
+    if "num_local_experts" in config:
+        details += f", {config['num_local_experts']} experts (top-{config['num_experts_per_tok']})"
     out.print(
         f"exported {what}, iteration {ckpt.iteration}, to {written}: Hugging Face {architecture}, "
         f"{layers} layers, vocabulary {config['vocab_size']}, {details}, {len(weights)} safetensors file(s)"

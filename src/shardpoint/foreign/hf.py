@@ -1,8 +1,10 @@
-"""A Megatron-LM GPT as a Hugging Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory, and back.
+"""A Megatron-LM GPT as a Hugging Face ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``MixtralForCausalLM`` directory.
 
 :func:`model_family` picks the family the source's args describe exactly: GPT-2-like
-(below) or Llama-like (:mod:`.llama`: RoPE, SwiGLU, RMSNorm, grouped-query attention);
-a model that is neither is refused naming what each family lacks.
+(below), Llama-like (:mod:`.llama`: RoPE, SwiGLU, RMSNorm, grouped-query attention) or,
+for a mixture of experts, Mixtral-like (:mod:`.mixtral`: a Llama with softmax top-k
+routed SwiGLU experts); a model that is none of them is refused naming what each family
+lacks.
 
 Only GPT-2-like Megatron models map onto GPT-2 exactly: learned absolute position
 embeddings, LayerNorm, a plain (not gated) GeLU MLP, multi-head attention with
@@ -51,7 +53,7 @@ from typing import Any
 import torch
 
 from shardpoint.errors import CheckpointError, MissingKeysError
-from shardpoint.foreign import llama
+from shardpoint.foreign import llama, mixtral
 from shardpoint.foreign._types import ForeignCheckpoint
 from shardpoint.foreign.hf_files import write_hf_dir
 from shardpoint.foreign.structure import qkv_to_separate, separate_to_qkv
@@ -162,24 +164,35 @@ def _check_source(ckpt: ForeignCheckpoint) -> None:
 
 
 def model_family(ckpt: ForeignCheckpoint) -> str:
-    """``"gpt2"`` or ``"llama"``: the Hugging Face family that holds Megatron GPT ``ckpt`` exactly.
+    """``"gpt2"``, ``"llama"`` or ``"mixtral"``: the Hugging Face family that holds Megatron GPT ``ckpt`` exactly.
 
     Raises:
-        CheckpointError: not a Megatron checkpoint, args missing, or neither family fits;
-            the message names every feature that does not fit, the closer family first.
+        CheckpointError: not a Megatron checkpoint, args missing, or no family fits;
+            the message names every feature that does not fit, the closer family first
+            (for a mixture of experts: what Mixtral lacks).
     """
     _check_source(ckpt)
     gpt2, llama_like = _unsupported(ckpt.args), llama.llama_problems(ckpt.args)
-    if not gpt2:
+    experts = _arg(ckpt.args, "num_experts", 0)
+    if experts:
+        moe = mixtral.mixtral_problems(ckpt.args)
+        if not any(n.endswith(".mlp.router.weight") for n in ckpt.params):
+            moe.append(f"no router in the weights, although the args say num_experts={experts}")
+        if not moe:
+            return "mixtral"
+        parts = [f"not Mixtral-like ({mixtral.ARCHITECTURE}): " + "; ".join(moe)]
+        parts.append("not Llama-like (LlamaForCausalLM): " + "; ".join(llama_like))
+    elif not gpt2:
         return "gpt2"
-    if not llama_like:
+    elif not llama_like:
         return "llama"
-    parts = [
-        "not GPT-2-like (GPT2LMHeadModel): " + "; ".join(gpt2),
-        "not Llama-like (LlamaForCausalLM): " + "; ".join(llama_like),
-    ]
-    if llama.looks_like_llama(ckpt.args):
-        parts.reverse()
+    else:
+        parts = [
+            "not GPT-2-like (GPT2LMHeadModel): " + "; ".join(gpt2),
+            "not Llama-like (LlamaForCausalLM): " + "; ".join(llama_like),
+        ]
+        if llama.looks_like_llama(ckpt.args):
+            parts.reverse()
     raise CheckpointError(
         f"{ckpt.path}: this Megatron model is " + ", and ".join(parts) + ". Export it with --to safetensors "
         "instead (Megatron's own names) or convert it with a tool for that architecture"
@@ -331,6 +344,12 @@ def _zero_biases(out: dict[str, torch.Tensor], i: int) -> None:
             out[block + bias] = weight.new_zeros(weight.shape[1])
 
 
+_LLAMA_LIKE = {
+    "llama": (llama.to_llama_state_dict, llama.llama_config),
+    "mixtral": (mixtral.to_mixtral_state_dict, mixtral.mixtral_config),
+}
+
+
 def export_hf(
     ckpt: ForeignCheckpoint,
     out_dir: str | os.PathLike[str],
@@ -341,8 +360,8 @@ def export_hf(
 ) -> str:
     """Write ``config.json`` and the safetensors weights of Megatron GPT ``ckpt``; return ``out_dir``.
 
-    A GPT-2-like model becomes ``GPT2LMHeadModel``, a Llama-like one ``LlamaForCausalLM``
-    (:func:`model_family`).
+    A GPT-2-like model becomes ``GPT2LMHeadModel``, a Llama-like one ``LlamaForCausalLM``,
+    a Mixtral-like mixture of experts ``MixtralForCausalLM`` (:func:`model_family`).
 
     Args:
         ckpt: from :func:`~shardpoint.foreign.read_foreign` or
@@ -366,11 +385,12 @@ def export_hf(
     else:
         vocab, layers = _vocab(ckpt, vocab_size), _num_layers(ckpt)
         llama.check_head_dim(ckpt.args, ckpt.params, ckpt.path)
-        tensors = llama.to_llama_state_dict(ckpt.args, ckpt.params, vocab, layers, ckpt.path)
+        to_state_dict, to_config = _LLAMA_LIKE[family]
+        tensors = to_state_dict(ckpt.args, ckpt.params, vocab, layers, ckpt.path)
         tensors = {
             k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone() for k, v in tensors.items()
         }
-        config = llama.llama_config(ckpt.args, ckpt.params, vocab, layers, dtype or ckpt.params[WORD_EMBEDDINGS].dtype)
+        config = to_config(ckpt.args, ckpt.params, vocab, layers, dtype or ckpt.params[WORD_EMBEDDINGS].dtype)
     out = os.path.abspath(os.fspath(out_dir))
     files = write_hf_dir(out, config, tensors, max_shard_size)
     rows = ckpt.params[WORD_EMBEDDINGS].shape[0]

@@ -1,7 +1,8 @@
 """Hugging Face models as Megatron-LM checkpoints: ``convert --from hf``.
 
 :func:`read_hf` reads a local model directory (``config.json`` and safetensors,
-single or sharded; :mod:`.hf_files`) of a ``LlamaForCausalLM`` (:mod:`.llama`) or a
+single or sharded; :mod:`.hf_files`) of a ``LlamaForCausalLM`` (:mod:`.llama`), a
+``MixtralForCausalLM`` (:mod:`.mixtral`: experts under global ids, loadable at any ep) or a
 ``GPT2LMHeadModel`` (:mod:`.hf`) into a :class:`~shardpoint.foreign.ForeignCheckpoint`
 that looks like one read from Megatron-LM: megatron-core GPTModel's legacy names in
 model order, global layers, the embedding padded to Megatron's vocabulary size, and
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from shardpoint.errors import CheckpointError
-from shardpoint.foreign import llama
+from shardpoint.foreign import llama, mixtral
 from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
 from shardpoint.foreign.hf import from_gpt2_state_dict, megatron_args_from_gpt2
 from shardpoint.foreign.hf_files import read_hf_dir
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
 _FAMILIES = {
     "llama": (llama.megatron_args_from_llama, llama.from_llama_state_dict),
+    "mixtral": (mixtral.megatron_args_from_mixtral, mixtral.from_mixtral_state_dict),
     "gpt2": (megatron_args_from_gpt2, from_gpt2_state_dict),
 }
 
@@ -69,7 +71,7 @@ def _layout_args(directory: str, vocab: int, dtype: torch.dtype) -> dict[str, An
         "virtual_pipeline_model_parallel_size": None,
         "context_parallel_size": 1,
         "expert_model_parallel_size": 1,
-        "num_experts": None,
+        "num_experts": None,  # a mixture of experts' own args set it
         "data_parallel_size": 1,
         "world_size": 1,
         "rank": 0,
@@ -90,7 +92,7 @@ def _family(config: dict[str, Any], where: str) -> str:
         names = config.get("architectures") or [model_type]
         raise CheckpointError(
             f"{where}: model_type {model_type!r} ({', '.join(map(str, names))}) is not converted; --from hf "
-            f"reads {', '.join(sorted(_FAMILIES))} models (LlamaForCausalLM, GPT2LMHeadModel)"
+            f"reads {', '.join(sorted(_FAMILIES))} models (LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM)"
         )
     return model_type
 
@@ -117,7 +119,7 @@ def read_hf(path: str | os.PathLike[str]) -> ForeignCheckpoint:
     vocab = int(config.get("vocab_size") or embedding.shape[0])
     if embedding.shape[0] != vocab:
         raise CheckpointError(f"{where}: vocab_size {vocab}, but the embedding has {embedding.shape[0]} rows")
-    args = model_args | _layout_args(directory, vocab, embedding.dtype)
+    args = _layout_args(directory, vocab, embedding.dtype) | model_args
     rows = args["padded_vocab_size"]
     params = {
         n: repad_vocab(n, t, vocab, rows, is_param=True) if VOCAB_KEYS.search(n) else t for n, t in params.items()

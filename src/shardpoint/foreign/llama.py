@@ -23,10 +23,15 @@ forward pass in the ``megatron-llama`` fixtures (their MANIFEST's naming facts a
 Anything else is refused naming each feature (:func:`llama_problems`): biases
 (including Qwen2's QKV biases: no fixture has them, so Megatron's convention for
 them cannot be verified here), partial or interleaved or scaled RoPE, MoE, MLA, ...
+
+The MLP is a plug-in (:class:`MlpMapping`, Llama's dense SwiGLU :data:`DENSE_MLP`): Mixtral
+(:mod:`.mixtral`) reuses everything else here with its experts in the MLP's place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +41,10 @@ from shardpoint.foreign.structure import qkv_to_separate, separate_to_qkv
 
 __all__ = [
     "ARCHITECTURE",
+    "ATTENTION_MAP",
+    "DENSE_MLP",
     "LAYER_MAP",
+    "MlpMapping",
     "check_head_dim",
     "from_llama_state_dict",
     "heads_and_groups",
@@ -55,12 +63,12 @@ QKV, FC1 = "self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"
 
 # Megatron names inside a layer (local spec first, then Transformer Engine's fused name) -> HF names inside
 # ``model.layers.<i>.``; QKV and FC1 map to several HF tensors and are handled apart.
-LAYER_MAP: list[tuple[tuple[str, ...], str]] = [
+ATTENTION_MAP: list[tuple[tuple[str, ...], str]] = [
     (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"), "input_layernorm.weight"),
     (("self_attention.linear_proj.weight",), "self_attn.o_proj.weight"),
     (("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"), "post_attention_layernorm.weight"),
-    (("mlp.linear_fc2.weight",), "mlp.down_proj.weight"),
 ]
+LAYER_MAP: list[tuple[tuple[str, ...], str]] = [*ATTENTION_MAP, (("mlp.linear_fc2.weight",), "mlp.down_proj.weight")]
 _QKV_HF = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _FC1_HF = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 # transformers' non-persistent buffers that some older files still carry
@@ -91,6 +99,37 @@ _REFUSED_FLAGS = (
     ("heterogeneous_layers_config_path", "heterogeneous layers"),
     ("experimental_attention_variant", "an experimental attention variant"),
     ("activation_func_clamp_value", "a clamped activation"),
+)
+
+
+@dataclass(frozen=True)
+class MlpMapping:
+    """How one layer's MLP maps between Megatron and Hugging Face (the rest of the layer is Llama's).
+
+    Attributes:
+        to_hf: ``(params, megatron prefix, where) -> ({HF name inside the layer: tensor}, Megatron names used)``.
+        hf_names: ``(args) -> HF names inside a layer`` the MLP needs.
+        from_hf: ``(hf, HF layer prefix, args) -> {Megatron name inside the layer: tensor}``, in GPTModel's order.
+    """
+
+    to_hf: Callable[[dict[str, torch.Tensor], str, str], tuple[dict[str, torch.Tensor], set[str]]]
+    hf_names: Callable[[dict[str, Any]], list[str]]
+    from_hf: Callable[[dict[str, torch.Tensor], str, dict[str, Any]], dict[str, torch.Tensor]]
+
+
+def _dense_to_hf(params: dict[str, torch.Tensor], prefix: str, where: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+    gate, up = torch.chunk(_need(params, prefix + FC1, where), 2, dim=0)
+    fc2 = prefix + "mlp.linear_fc2.weight"
+    tensors = dict(zip((*_FC1_HF, "mlp.down_proj.weight"), (gate, up, _need(params, fc2, where))))
+    return tensors, {prefix + FC1, fc2}
+
+
+def _dense_from_hf(hf: dict[str, torch.Tensor], src: str, args: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {FC1: torch.cat([hf[src + n] for n in _FC1_HF]), "mlp.linear_fc2.weight": hf[src + "mlp.down_proj.weight"]}
+
+
+DENSE_MLP = MlpMapping(
+    to_hf=_dense_to_hf, hf_names=lambda args: [*_FC1_HF, "mlp.down_proj.weight"], from_hf=_dense_from_hf
 )
 
 
@@ -185,9 +224,19 @@ def _one_of(params: dict[str, torch.Tensor], prefix: str, candidates: tuple[str,
 
 
 def to_llama_state_dict(
-    args: dict[str, Any], params: dict[str, torch.Tensor], vocab: int, layers: int, where: str
+    args: dict[str, Any],
+    params: dict[str, torch.Tensor],
+    vocab: int,
+    layers: int,
+    where: str,
+    *,
+    mlp: MlpMapping = DENSE_MLP,
+    model: str = "a Llama model",
 ) -> dict[str, torch.Tensor]:
     """The ``LlamaForCausalLM`` state dict of Megatron ``params`` (global names, ``args`` already checked).
+
+    ``mlp`` maps each layer's MLP (Llama's dense SwiGLU by default); ``model`` names the
+    target in errors.
 
     Raises:
         CheckpointError: a tensor Llama needs is missing, or one it has no place for is present (named).
@@ -201,18 +250,20 @@ def to_llama_state_dict(
     used.add(FINAL_NORM)
     for i in range(layers):
         prefix, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for candidates, hf_name in LAYER_MAP:
+        for candidates, hf_name in ATTENTION_MAP:
             name = _one_of(params, prefix, candidates, where)
             out[hf + hf_name] = params[name]
             used.add(name)
         q, k, v = qkv_to_separate(prefix + QKV, _need(params, prefix + QKV, where), heads, groups)
-        gate, up = torch.chunk(_need(params, prefix + FC1, where), 2, dim=0)
-        out.update(zip((hf + n for n in _QKV_HF + _FC1_HF), (q, k, v, gate, up)))
-        used.update((prefix + QKV, prefix + FC1))
+        out.update(zip((hf + n for n in _QKV_HF), (q, k, v)))
+        used.add(prefix + QKV)
+        mlp_tensors, mlp_used = mlp.to_hf(params, prefix, where)
+        out.update((hf + n, t) for n, t in mlp_tensors.items())
+        used |= mlp_used
     unused = sorted(set(params) - used)
     if unused:
         raise CheckpointError(
-            f"{where} holds tensors a Llama model has no place for: {unused[:5]}"
+            f"{where} holds tensors {model} has no place for: {unused[:5]}"
             + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         )
     return out
@@ -294,8 +345,12 @@ def megatron_args_from_llama(config: dict[str, Any], where: str) -> dict[str, An
     }
 
 
-def from_llama_state_dict(hf: dict[str, torch.Tensor], args: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+def from_llama_state_dict(
+    hf: dict[str, torch.Tensor], args: dict[str, Any], where: str, *, mlp: MlpMapping = DENSE_MLP
+) -> dict[str, torch.Tensor]:
     """Megatron global tensors (legacy names, unpadded vocabulary) of a ``LlamaForCausalLM`` state dict.
+
+    ``mlp`` maps each layer's MLP (Llama's dense SwiGLU by default).
 
     Raises:
         MissingKeysError: a tensor Llama has is missing, or one it has no place for is present.
@@ -307,7 +362,8 @@ def from_llama_state_dict(hf: dict[str, torch.Tensor], args: dict[str, Any], whe
         hf.pop("lm_head.weight", None)  # some files keep the tied copy
     wanted = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
     for i in range(int(args["num_layers"])):
-        wanted += [f"model.layers.{i}.{n}" for _, n in LAYER_MAP] + [f"model.layers.{i}.{n}" for n in _QKV_HF + _FC1_HF]
+        names = [n for _, n in ATTENTION_MAP] + list(_QKV_HF) + mlp.hf_names(args)
+        wanted += [f"model.layers.{i}.{n}" for n in names]
     missing, unexpected = [k for k in wanted if k not in hf], sorted(set(hf) - set(wanted))
     if missing or unexpected:
         raise MissingKeysError(where, missing, unexpected)
@@ -318,8 +374,7 @@ def from_llama_state_dict(hf: dict[str, torch.Tensor], args: dict[str, Any], whe
         out[prefix + "self_attention.linear_proj.weight"] = hf[src + "self_attn.o_proj.weight"]
         out[prefix + QKV] = separate_to_qkv(*(hf[src + n] for n in _QKV_HF), heads, groups)
         out[prefix + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        out[prefix + FC1] = torch.cat([hf[src + n] for n in _FC1_HF])
-        out[prefix + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+        out.update((prefix + n, t) for n, t in mlp.from_hf(hf, src, args).items())
     out[FINAL_NORM] = hf["model.norm.weight"]
     if not tied:
         out[OUTPUT_LAYER] = hf["lm_head.weight"]
