@@ -242,7 +242,9 @@ def test_weights_that_disagree_with_the_args_are_named(tmp_path):
         read_foreign(root, optimizer=False)
 
 
-def test_legacy_moe_and_moe_export_are_refused_by_name(tmp_path):
+def test_legacy_moe_that_disagrees_with_its_args_and_export_without_ep_are_refused_by_name(tmp_path):
+    """Legacy MoE folders are read (tests/test_foreign_moe_export.py); args naming experts the weights lack,
+    a folder name the args do not allow, and an export that does not say its ep are refused, each named."""
     legacy = tmp_path / "legacy"
     shutil.copytree(Path(__file__).parent / "fixtures" / "foreign" / "megatron-legacy-tp1" / "ckpt", legacy)
     rank_file = legacy / STEP_DIR / "mp_rank_00" / "model_optim_rng.pt"
@@ -251,12 +253,12 @@ def test_legacy_moe_and_moe_export_are_refused_by_name(tmp_path):
     state["args"].num_experts = 4
     rank_file.unlink()
     save_foreign(state, rank_file)
-    with pytest.raises(CheckpointError, match=r"legacy torch checkpoints of mixture-of-experts.*torch_dist"):
+    with pytest.raises(CheckpointError, match=r"num_experts=4, but the model holds routed experts \[\]"):
         read_foreign(legacy)
     (legacy / STEP_DIR / "mp_rank_00").rename(legacy / STEP_DIR / "mp_rank_00_000_001")
-    with pytest.raises(CheckpointError, match=r"expert-parallel ranks \(mp_rank_TT_PPP_EEE\)"):
+    with pytest.raises(CheckpointError, match=r"folder name does not fit the args.*mp_rank_TT_PPP_EEE"):
         read_foreign(legacy)
     import_checkpoint(MOE / EP2 / "ckpt", tmp_path / "run")
-    with pytest.raises(CheckpointError, match=r"export of mixture-of-experts models \(num_experts=4\)"):
+    with pytest.raises(CheckpointError, match=r"export of mixture-of-experts models \(num_experts=4\) needs the expert-parallel size.*--ep N"):
         export_megatron(from_shardpoint(str(tmp_path / "run")), tmp_path / "out", tp=1, pp=1)
     assert not (tmp_path / "out").exists()

@@ -18,8 +18,9 @@ object storage is written in place and committed by its marker, then the tracker
 directory, under megatron-core's names, as a release (weights only). ``--to megatron
 --tp N --pp M [--dp D --distributed-optimizer]`` writes Megatron-LM's legacy format
 from such a source or from a shardpoint checkpoint imported from one
-(:mod:`shardpoint.foreign`); a Hugging Face source becomes Megatron's release
-checkpoint. Foreign pickles are read through an allow-list; nothing in them runs.
+(:mod:`shardpoint.foreign`); a mixture-of-experts model also needs ``--ep E`` (its
+expert-parallel ranks' ``mp_rank_TT[_PPP]_EEE`` folders); a Hugging Face source becomes
+Megatron's release checkpoint. Foreign pickles are read through an allow-list; nothing in them runs.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ EXAMPLES = """examples:
   shardpoint convert --from deepspeed /data/neox/run runs/imported          # DeepSpeed / GPT-NeoX -> dist
   shardpoint convert --to megatron runs/imported /data/run-tp1 --tp 1 --pp 1
   shardpoint convert --from megatron --to megatron /data/run-tp2 /data/run-tp1-dp4 --tp 1 --dp 4 --distributed-optimizer
+  shardpoint convert --to megatron runs/moe-imported /data/moe-ep4 --tp 1 --pp 1 --dp 4 --ep 4
 """
 
 
@@ -101,6 +103,12 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--dp", type=_positive, metavar="D", help="data-parallel size recorded in --to megatron args")
     parser.add_argument(
+        "--ep",
+        type=_positive,
+        metavar="E",
+        help="--to megatron of a mixture-of-experts model: expert-parallel size (divides the experts and --dp)",
+    )
+    parser.add_argument(
         "--distributed-optimizer",
         action="store_true",
         help="--to megatron: write distrib_optim.pt (Megatron's --use-distributed-optimizer)",
@@ -132,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
     out = Output(args)
     if args.from_tool or args.to_tool:
         return _foreign(out, args)
-    if args.dp is not None or args.distributed_optimizer:
-        raise ValueError("--dp and --distributed-optimizer apply to --to megatron only")
+    if args.dp is not None or args.ep is not None or args.distributed_optimizer:
+        raise ValueError("--dp, --ep and --distributed-optimizer apply to --to megatron only")
     if args.no_optimizer:
         raise ValueError("--no-optimizer applies to --from megatron|deepspeed|auto only")
     with out.progress() as progress:
@@ -182,9 +190,9 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
     if source == "hf" and (args.iteration is not None or args.no_optimizer):
         raise ValueError("--iteration and --no-optimizer do not apply to --from hf (weights only, one model)")
     if args.to_tool is None:
-        if args.tp or args.pp or args.dp or args.distributed_optimizer:
+        if args.tp or args.pp or args.dp or args.ep or args.distributed_optimizer:
             raise ValueError(
-                "importing keeps the source's layout (a dist checkpoint loads at any); drop --tp/--pp/--dp"
+                "importing keeps the source's layout (a dist checkpoint loads at any); drop --tp/--pp/--dp/--ep"
             )
         if source == "hf":
             return _import_hf(out, args)
@@ -217,8 +225,9 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
     offline.refuse_writing_into_source(ckpt.path, args.dst)
     dp = args.dp or 1
     path = export_megatron(
-        ckpt, args.dst, tp=args.tp, pp=args.pp, dp=dp, distributed_optimizer=args.distributed_optimizer
+        ckpt, args.dst, tp=args.tp, pp=args.pp, dp=dp, distributed_optimizer=args.distributed_optimizer, ep=args.ep
     )
+    ep = args.ep or 1
     out.emit_json(
         {
             "source": ckpt.path,
@@ -226,6 +235,7 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
             "tp": args.tp,
             "pp": args.pp,
             "dp": dp,
+            "ep": ep,
             "distributed_optimizer": args.distributed_optimizer,
             "iteration": ckpt.iteration,
             "release": bool(ckpt.extra.get("release")),
@@ -233,7 +243,9 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
     )
     files = sorted(os.listdir(path))
     out.print(
-        f"wrote Megatron-LM checkpoint {path}: tp={args.tp} pp={args.pp} dp={dp}, {len(files)} rank folders"
+        f"wrote Megatron-LM checkpoint {path}: tp={args.tp} pp={args.pp} dp={dp}"
+        + (f" ep={ep}" if args.ep else "")
+        + f", {len(files)} rank folders"
         + (", distributed optimizer" if args.distributed_optimizer else "")
         + (", release (weights only: Megatron-LM starts at iteration 0)" if ckpt.extra.get("release") else "")
     )

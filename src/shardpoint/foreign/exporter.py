@@ -15,6 +15,14 @@ checkpoint imported from one (:func:`from_shardpoint`). The output is what
   :func:`shardpoint.foreign.megatron.buffer_layout`), independent of the DP size;
 * ``latest_checkpointed_iteration.txt``, written last.
 
+Mixture of experts (``SequentialMLP`` experts, :mod:`.megatron_moe`) is written at the
+expert-parallel size ``ep`` asked for: with ep > 1 one folder per ep rank,
+``mp_rank_TT[_PPP]_EEE``, each with the dense weights and the router's ``expert_bias``
+buffer, and its ``E / ep`` experts under local ids; the optimizer is then Megatron's
+``ChainedOptimizer`` of a dense and an expert optimizer (both in ``model_optim_rng.pt``,
+both buffers in ``distrib_optim.pt``). Expert tensor parallelism follows tp (etp = tp);
+ep must divide the experts and dp.
+
 A source without optimizer state (a Hugging Face model, ``convert --from hf``) is
 written as Megatron's *release* checkpoint, as its loader expects of pretrained
 weights: ``release/mp_rank_*/model_optim_rng.pt`` without ``optimizer`` and
@@ -50,6 +58,15 @@ from shardpoint.errors import CheckpointError, TopologyMismatchError
 from shardpoint.foreign._types import ForeignCheckpoint, namespace_from_json
 from shardpoint.foreign._unpickle import save_foreign
 from shardpoint.foreign.megatron import MODEL_FILE, OPTIM_FILE, buffer_layout
+from shardpoint.foreign.megatron_moe import (
+    expert_id,
+    is_buffer,
+    is_expert,
+    num_experts,
+    refuse_moe,
+    regroup_for_ep,
+    to_local_expert,
+)
 from shardpoint.foreign.megatron_torch_dist import model_order
 from shardpoint.foreign.structure import (
     VOCAB_KEYS,
@@ -105,6 +122,8 @@ def from_shardpoint(path: str, iteration: int | None = None) -> ForeignCheckpoin
         scheduler=dict(full.common.get("scheduler") or {}),
         consumed_samples=full.metadata.consumed_samples,
         args=dict(full.metadata.config),
+        ep=int(foreign.get("ep", 1) or 1),
+        buffers=list(foreign.get("buffers", [])),
         extra={
             "checkpoint_version": foreign.get("checkpoint_version"),
             "rng_state": foreign.get("rng_state"),
@@ -121,7 +140,8 @@ def from_shardpoint(path: str, iteration: int | None = None) -> ForeignCheckpoin
             name, _, state_key = key[len(OPTIM_PREFIX) :].rpartition(".")
             ckpt.optimizer.setdefault(name, {})[state_key] = tensor
     order = [n for group in foreign.get("param_groups", []) for n in group]
-    ckpt.params = {n: ckpt.params[n] for n in sorted(ckpt.params, key=_model_rank(order or list(ckpt.params)))}
+    order += [n for n in ckpt.params if n not in set(order)]  # buffers (expert_bias) are in no group
+    ckpt.params = {n: ckpt.params[n] for n in sorted(ckpt.params, key=_model_rank(order))}
     for hyper, names in zip(full.common.get("optimizer_param_groups", []), foreign.get("param_groups", [])):
         ckpt.param_groups.append(dict(hyper) | {"param_names": list(names)})
     return ckpt
@@ -141,24 +161,29 @@ def export_megatron(
     pp: int,
     dp: int = 1,
     distributed_optimizer: bool = False,
+    ep: int | None = None,
 ) -> str:
     """Write ``ckpt`` into save directory ``dst`` in Megatron-LM's legacy format; return the iteration directory.
 
+    ``ep``: the expert-parallel size of a mixture-of-experts model (required for one; None or 1
+    for a dense model).
+
     Raises:
-        TopologyMismatchError: a tensor (named) or the layer count does not divide.
-        CheckpointError: the iteration exists in ``dst`` already, or the source lacks Megatron args.
+        TopologyMismatchError: a tensor (named), the layer count, or the experts / dp by ep do not divide.
+        CheckpointError: the iteration exists in ``dst`` already, the source lacks Megatron args, or a MoE
+            feature this writer does not derive (named).
 
     Example:
         >>> export_megatron(read_foreign("/data/run-tp2"), "/data/run-tp1", tp=1, pp=1)
     """
     if ckpt.tool != "megatron" or not ckpt.args:
         raise CheckpointError(f"{ckpt.path}: export to Megatron-LM needs a Megatron-LM source (its args)")
-    if ckpt.args.get("num_experts"):
-        raise CheckpointError(
-            f"{ckpt.path}: export of mixture-of-experts models (num_experts={ckpt.args['num_experts']}) to "
-            "Megatron-LM is not supported yet; load the imported checkpoint with shardpoint at any ep instead"
-        )
+    ep = _check_ep(ckpt, dp, ep)
     args = _new_args(ckpt, tp, pp, dp, distributed_optimizer)
+    args.expert_model_parallel_size = ep if num_experts(args) else getattr(args, "expert_model_parallel_size", 1)
+    if ep > 1 or num_experts(args):
+        ckpt = copy.copy(ckpt)
+        ckpt.param_groups = regroup_for_ep(ckpt.param_groups, ep)
     root = os.fspath(dst)
     release = bool(ckpt.extra.get("release"))
     name = "release" if release else f"iter_{ckpt.iteration:07d}"
@@ -173,9 +198,13 @@ def export_megatron(
     try:
         for p, names in enumerate(stages):
             for t in range(tp):
-                folder = os.path.join(tmp, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
-                os.makedirs(folder)
-                _write_rank(ckpt, args, folder, names, pieces, t, p, distributed_optimizer)
+                for e in range(ep):
+                    folder = os.path.join(
+                        tmp, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                    )
+                    os.makedirs(folder)
+                    held = _held_by_ep_rank(names, num_experts(args), ep, e)
+                    _write_rank(ckpt, args, folder, held, pieces, (t, p, e), distributed_optimizer)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,8 +213,49 @@ def export_megatron(
     with open(tracker + ".tmp", "w") as f:
         f.write("release" if release else str(ckpt.iteration))
     os.replace(tracker + ".tmp", tracker)
-    log.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d dp=%d)", final, tp, pp, dp)
+    log.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d dp=%d ep=%d)", final, tp, pp, dp, ep)
     return final
+
+
+def _check_ep(ckpt: ForeignCheckpoint, dp: int, ep: int | None) -> int:
+    """The expert-parallel size to write; raises naming what cannot be written."""
+    args = namespace_from_json(ckpt.args)
+    experts = num_experts(args)
+    if not experts:
+        if ep not in (None, 1):
+            raise CheckpointError(f"{ckpt.path}: ep={ep} asked for, but the model has no experts (num_experts unset)")
+        return 1
+    if ep is None:
+        raise CheckpointError(
+            f"{ckpt.path}: export of mixture-of-experts models (num_experts={experts}) needs the expert-parallel "
+            "size to write: pass ep= (CLI: --ep N)"
+        )
+    refuse_moe(ckpt.path, args, buckets=False)
+    old_tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or old_tp)
+    if etp != old_tp:
+        raise CheckpointError(
+            f"{ckpt.path}: expert tensor parallelism different from tp (--expert-tensor-parallel-size {etp}, "
+            f"tp={old_tp}) is not supported by the export; it writes etp = tp"
+        )
+    if experts % ep:
+        raise TopologyMismatchError(f"num_experts={experts} does not divide into ep={ep} expert-parallel ranks")
+    if dp % ep:
+        raise TopologyMismatchError(
+            f"ep={ep} does not divide dp={dp}: with etp = tp, Megatron needs dp = ep * expert data-parallel size"
+        )
+    beyond = [n for n in ckpt.params if is_expert(n) and expert_id(n) >= experts]
+    if beyond:
+        raise CheckpointError(f"{ckpt.path}: {beyond[0]} names an expert beyond num_experts={experts}")
+    return ep
+
+
+def _held_by_ep_rank(names: list[str], experts: int, ep: int, e: int) -> list[str]:
+    """The global names one ep rank's folder holds: every dense name, its ``experts / ep`` experts."""
+    if ep == 1:
+        return names
+    per_rank = experts // ep
+    return [n for n in names if not is_expert(n) or expert_id(n) // per_rank == e]
 
 
 def _refuse_moving_a_live_tracker(root: str, iteration: int) -> None:
@@ -279,22 +349,33 @@ def _local(name: str, offset: int) -> str:
 
 
 def _write_rank(
-    ckpt: ForeignCheckpoint, args: Any, folder: str, names: list[str], pieces: dict, t: int, p: int, distopt: bool
+    ckpt: ForeignCheckpoint,
+    args: Any,
+    folder: str,
+    names: list[str],
+    pieces: dict,
+    rank: tuple[int, int, int],
+    distopt: bool,
 ) -> None:
+    t, p, e = rank
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     offset = min((int(m.group(1)) for n in names if (m := _LAYER.search(n))), default=0)
+    first = e * num_experts(args) // ep
+    local_names = [to_local_expert(_local(name, offset), first) for name in names]
     model: OrderedDict[str, Any] = OrderedDict()
-    for i, name in enumerate(names):
-        local = _local(name, offset)
+    for i, (name, local) in enumerate(zip(names, local_names)):
         model[local] = pieces[name]["param"][t]
         module = local.rpartition(".")[0]
-        following = _local(names[i + 1], offset).rpartition(".")[0] if i + 1 < len(names) else None
+        following = local_names[i + 1].rpartition(".")[0] if i + 1 < len(names) else None
         if _EXTRA_STATE_MODULES.search(module) and following != module:
             model[f"{module}._extra_state"] = None
     rank_args = copy.copy(args)
-    # the args of the rank that saves this file: data-parallel rank 0 of (t, p), Megatron's rank order
+    # the args of the rank that saves this file: (expert) data-parallel rank 0 of (t, p, e), in
+    # Megatron's rank order tp-cp-ep-dp-pp
+    tp_size = args.tensor_model_parallel_size
     for attr in ("rank", "local_rank"):
         if hasattr(rank_args, attr):
-            setattr(rank_args, attr, t + p * args.tensor_model_parallel_size * args.data_parallel_size)
+            setattr(rank_args, attr, t + e * tp_size + p * tp_size * args.data_parallel_size)
     state: dict[str, Any] = {
         "args": rank_args,
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -302,8 +383,12 @@ def _write_rank(
         "model": model,
     }
     with_optimizer = any(ckpt.optimizer.get(n) for n in ckpt.params)
+    chained = ep > 1  # a dense and an expert optimizer (megatron-core's ChainedOptimizer of two)
+    groups = _groups_of(ckpt, names)
+    parts = [[g for g in groups if bool(g[0].get("is_expert_parallel")) == x] for x in (False, True)]
     if with_optimizer:  # pretrained weights (a release) have none: Megatron then builds a fresh optimizer
-        state["optimizer"] = _optimizer(ckpt, names, pieces, t, distopt)
+        optimizers = [_optimizer(part, pieces, t, distopt) for part in (parts if chained else [groups])]
+        state["optimizer"] = optimizers if chained else optimizers[0]
         state["opt_param_scheduler"] = ckpt.scheduler
     rng = _rng_for(ckpt, t, p)
     if rng is not None:
@@ -311,9 +396,15 @@ def _write_rank(
     state["num_floating_point_operations_so_far"] = ckpt.extra.get("num_floating_point_operations_so_far", 0)
     save_foreign(state, os.path.join(folder, MODEL_FILE))
     if distopt and with_optimizer:
-        save_foreign(
-            _distrib_optim(names, pieces, t, os.path.join(folder, OPTIM_FILE)), os.path.join(folder, OPTIM_FILE)
-        )
+        where = os.path.join(folder, OPTIM_FILE)
+        if not chained:
+            save_foreign(_distrib_optim([n for n in names if not is_buffer(n)], pieces, t, where), where)
+            return
+        dense, experts = ([n for _, members in part for n in members] for part in parts)
+        # only dense data-parallel rank 0 (ep rank 0) saves the dense buffer; the others write None
+        dense_state = _distrib_optim([n for n in names if n in set(dense)], pieces, t, where) if e == 0 else None
+        expert_state = _distrib_optim([n for n in names if n in set(experts)], pieces, t, where)
+        save_foreign([dense_state, expert_state], where)
 
 
 def _groups_of(ckpt: ForeignCheckpoint, names: list[str]) -> list[tuple[dict[str, Any], list[str]]]:
@@ -331,8 +422,8 @@ def _groups_of(ckpt: ForeignCheckpoint, names: list[str]) -> list[tuple[dict[str
     return result
 
 
-def _optimizer(ckpt: ForeignCheckpoint, names: list[str], pieces: dict, t: int, distopt: bool) -> dict[str, Any]:
-    groups = _groups_of(ckpt, names)
+def _optimizer(groups: list[tuple[dict[str, Any], list[str]]], pieces: dict, t: int, distopt: bool) -> dict[str, Any]:
+    names = [n for _, members in groups for n in members]
     if distopt:
         step = next((pieces[n]["step"][t] for n in names if "step" in pieces[n]), None)
         return {

@@ -20,6 +20,15 @@ experts; checked against ``tests/fixtures/megatron-moe``, written by Megatron-LM
   ``chained_0.`` (dense) and ``chained_1.`` (experts, ``dp_group_idx_<ep rank>``).
   With ep=1 the experts are ordinary parameters of the one optimizer (no prefix).
 
+Legacy ``torch`` checkpoints (``megatron/training/checkpointing.py``, ``get_checkpoint_name``)
+with ep > 1 have one folder per expert-parallel rank, ``mp_rank_TT[_PPP]_EEE`` (``_PPP`` only
+with pp > 1): each holds the dense weights (the same in every ep folder) and its ``E / ep``
+experts under *local* ids (:func:`to_local_expert`), written by expert-data-parallel rank 0.
+The optimizer is the ``ChainedOptimizer`` of a dense and an expert optimizer
+(:func:`regroup_for_ep`): ``model_optim_rng.pt``'s ``optimizer`` is the list of their two
+state dicts and ``distrib_optim.pt`` the list of their two gathered buffers, the dense one
+``None`` outside ep rank 0 (only dense data-parallel rank 0, which is ep rank 0, saves it).
+
 Refused, each named (:func:`refuse_moe`): grouped-GEMM experts
 (``--moe-grouped-gemm``: ``GroupedMLP`` / ``TEGroupedMLP`` hold other parameters), MoE
 layers mixed with dense ones (``--moe-layer-freq``), latent MoE; and for the optimizer's
@@ -44,7 +53,9 @@ __all__ = [
     "moe_rank",
     "num_experts",
     "refuse_moe",
+    "regroup_for_ep",
     "split_experts",
+    "to_local_expert",
 ]
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts\.)experts\.(linear_fc[12]\.(?:weight|bias))$")
@@ -77,6 +88,37 @@ def expert_id(name: str) -> int:
     if match is None:
         raise ValueError(f"{name} is not a routed expert's parameter")
     return int(match.group(1))
+
+
+def to_local_expert(name: str, first: int) -> str:
+    """``name`` with its expert id lowered by ``first`` (global to local on an ep rank; negative: back)."""
+    if not first:
+        return name
+    return _EXPERT.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) - first}.", name, count=1)
+
+
+def regroup_for_ep(groups: list[dict[str, Any]], ep: int) -> list[dict[str, Any]]:
+    """Optimizer groups as megatron-core 0.16.1 builds them at expert-parallel size ``ep``.
+
+    At ep > 1 the experts are ``is_expert_parallel`` parameters (``allreduce=False``) of the
+    expert optimizer: each group's experts move to an expert group of the same
+    hyperparameters; at ep = 1 they are ordinary parameters, back in the dense group of the
+    same hyperparameters. The result lists the dense groups, then the expert groups, each
+    with ``is_expert_parallel`` set (its ``param_names`` are not sorted: the writer orders
+    them as the model).
+    """
+    merged: dict[tuple[bool, str], dict[str, Any]] = {}
+    for group in groups:
+        hyper = {k: v for k, v in group.items() if k not in ("param_names", "is_expert_parallel")}
+        members = list(group.get("param_names", []))
+        parts = {False: [n for n in members if ep == 1 or not is_expert(n)]}
+        parts[True] = [n for n in members if ep > 1 and is_expert(n)]
+        for flag, names in parts.items():
+            if not names and (flag or group.get("is_expert_parallel")):
+                continue
+            slot = merged.setdefault((flag, repr(sorted(hyper.items()))), hyper | {"is_expert_parallel": flag})
+            slot["param_names"] = slot.get("param_names", []) + names
+    return [g for (flag, _), g in merged.items() if not flag] + [g for (flag, _), g in merged.items() if flag]
 
 
 def is_buffer(name: str) -> bool:
