@@ -1,9 +1,11 @@
-"""A Megatron-LM GPT as a Hugging Face ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``MixtralForCausalLM`` directory.
+"""A Megatron-LM GPT as a Hugging Face ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MixtralForCausalLM`` or
+``Qwen3MoeForCausalLM`` directory.
 
 :func:`model_family` picks the family the source's args describe exactly: GPT-2-like
 (below), Llama-like (:mod:`.llama`: RoPE, SwiGLU, RMSNorm, grouped-query attention) or,
 for a mixture of experts, Mixtral-like (:mod:`.mixtral`: a Llama with softmax top-k
-routed SwiGLU experts); a model that is none of them is refused naming what each family
+routed SwiGLU experts) or, with per-head query/key norms (``--qk-layernorm``), Qwen3-MoE-like
+(:mod:`.qwen3_moe`); a model that is none of them is refused naming what each family
 lacks.
 
 Only GPT-2-like Megatron models map onto GPT-2 exactly: learned absolute position
@@ -53,7 +55,7 @@ from typing import Any
 import torch
 
 from shardpoint.errors import CheckpointError, MissingKeysError
-from shardpoint.foreign import llama, mixtral
+from shardpoint.foreign import llama, mixtral, qwen3_moe
 from shardpoint.foreign._types import ForeignCheckpoint
 from shardpoint.foreign.hf_files import write_hf_dir
 from shardpoint.foreign.structure import qkv_to_separate, separate_to_qkv
@@ -164,23 +166,31 @@ def _check_source(ckpt: ForeignCheckpoint) -> None:
 
 
 def model_family(ckpt: ForeignCheckpoint) -> str:
-    """``"gpt2"``, ``"llama"`` or ``"mixtral"``: the Hugging Face family that holds Megatron GPT ``ckpt`` exactly.
+    """``"gpt2"``, ``"llama"``, ``"mixtral"`` or ``"qwen3_moe"``: the HF family holding Megatron GPT ``ckpt`` exactly.
+
+    A mixture of experts is Qwen3-MoE's with ``--qk-layernorm``, Mixtral's without.
 
     Raises:
         CheckpointError: not a Megatron checkpoint, args missing, or no family fits;
             the message names every feature that does not fit, the closer family first
-            (for a mixture of experts: what Mixtral lacks).
+            (for a mixture of experts: what Mixtral, or with q/k norms Qwen3-MoE, lacks).
     """
     _check_source(ckpt)
     gpt2, llama_like = _unsupported(ckpt.args), llama.llama_problems(ckpt.args)
     experts = _arg(ckpt.args, "num_experts", 0)
     if experts:
-        moe = mixtral.mixtral_problems(ckpt.args)
+        qwen3 = bool(_arg(ckpt.args, "qk_layernorm", False))
+        family, name, architecture = (
+            ("qwen3_moe", "Qwen3-MoE", qwen3_moe.ARCHITECTURE)
+            if qwen3
+            else ("mixtral", "Mixtral", mixtral.ARCHITECTURE)
+        )
+        moe = qwen3_moe.qwen3_moe_problems(ckpt.args) if qwen3 else mixtral.mixtral_problems(ckpt.args)
         if not any(n.endswith(".mlp.router.weight") for n in ckpt.params):
             moe.append(f"no router in the weights, although the args say num_experts={experts}")
         if not moe:
-            return "mixtral"
-        parts = [f"not Mixtral-like ({mixtral.ARCHITECTURE}): " + "; ".join(moe)]
+            return family
+        parts = [f"not {name}-like ({architecture}): " + "; ".join(moe)]
         parts.append("not Llama-like (LlamaForCausalLM): " + "; ".join(llama_like))
     elif not gpt2:
         return "gpt2"
@@ -347,6 +357,7 @@ def _zero_biases(out: dict[str, torch.Tensor], i: int) -> None:
 _LLAMA_LIKE = {
     "llama": (llama.to_llama_state_dict, llama.llama_config),
     "mixtral": (mixtral.to_mixtral_state_dict, mixtral.mixtral_config),
+    "qwen3_moe": (qwen3_moe.to_qwen3_moe_state_dict, qwen3_moe.qwen3_moe_config),
 }
 
 
@@ -361,7 +372,8 @@ def export_hf(
     """Write ``config.json`` and the safetensors weights of Megatron GPT ``ckpt``; return ``out_dir``.
 
     A GPT-2-like model becomes ``GPT2LMHeadModel``, a Llama-like one ``LlamaForCausalLM``,
-    a Mixtral-like mixture of experts ``MixtralForCausalLM`` (:func:`model_family`).
+    a Mixtral-like mixture of experts ``MixtralForCausalLM``, one with q/k norms
+    ``Qwen3MoeForCausalLM`` (:func:`model_family`).
 
     Args:
         ckpt: from :func:`~shardpoint.foreign.read_foreign` or

@@ -2,7 +2,8 @@
 
 :func:`read_hf` reads a local model directory (``config.json`` and safetensors,
 single or sharded; :mod:`.hf_files`) of a ``LlamaForCausalLM`` (:mod:`.llama`), a
-``MixtralForCausalLM`` (:mod:`.mixtral`: experts under global ids, loadable at any ep) or a
+``MixtralForCausalLM`` (:mod:`.mixtral`: experts under global ids, loadable at any ep), a
+``Qwen3MoeForCausalLM`` (:mod:`.qwen3_moe`: the same, with ``--qk-layernorm``) or a
 ``GPT2LMHeadModel`` (:mod:`.hf`) into a :class:`~shardpoint.foreign.ForeignCheckpoint`
 that looks like one read from Megatron-LM: megatron-core GPTModel's legacy names in
 model order, global layers, the embedding padded to Megatron's vocabulary size, and
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from shardpoint.errors import CheckpointError
-from shardpoint.foreign import llama, mixtral
+from shardpoint.foreign import llama, mixtral, qwen3_moe
 from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
 from shardpoint.foreign.hf import from_gpt2_state_dict, megatron_args_from_gpt2
 from shardpoint.foreign.hf_files import read_hf_dir
@@ -49,6 +50,7 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
 _FAMILIES = {
     "llama": (llama.megatron_args_from_llama, llama.from_llama_state_dict),
     "mixtral": (mixtral.megatron_args_from_mixtral, mixtral.from_mixtral_state_dict),
+    "qwen3_moe": (qwen3_moe.megatron_args_from_qwen3_moe, qwen3_moe.from_qwen3_moe_state_dict),
     "gpt2": (megatron_args_from_gpt2, from_gpt2_state_dict),
 }
 
@@ -92,7 +94,8 @@ def _family(config: dict[str, Any], where: str) -> str:
         names = config.get("architectures") or [model_type]
         raise CheckpointError(
             f"{where}: model_type {model_type!r} ({', '.join(map(str, names))}) is not converted; --from hf "
-            f"reads {', '.join(sorted(_FAMILIES))} models (LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM)"
+            f"reads {', '.join(sorted(_FAMILIES))} models (LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, "
+            "Qwen3MoeForCausalLM)"
         )
     return model_type
 

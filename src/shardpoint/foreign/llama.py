@@ -25,7 +25,10 @@ Anything else is refused naming each feature (:func:`llama_problems`): biases
 them cannot be verified here), partial or interleaved or scaled RoPE, MoE, MLA, ...
 
 The MLP is a plug-in (:class:`MlpMapping`, Llama's dense SwiGLU :data:`DENSE_MLP`): Mixtral
-(:mod:`.mixtral`) reuses everything else here with its experts in the MLP's place.
+(:mod:`.mixtral`) reuses everything else here with its experts in the MLP's place. Per-head
+query/key RMSNorms (Megatron's ``--qk-layernorm``, Qwen3's ``q_norm`` / ``k_norm``:
+:data:`QK_NORM_MAP`) are mapped when the args say ``qk_layernorm``; Llama itself refuses them,
+Qwen3-MoE (:mod:`.qwen3_moe`) is the family that admits them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "ATTENTION_MAP",
     "DENSE_MLP",
     "LAYER_MAP",
+    "QK_NORM_MAP",
     "MlpMapping",
     "check_head_dim",
     "from_llama_state_dict",
@@ -68,6 +72,11 @@ ATTENTION_MAP: list[tuple[tuple[str, ...], str]] = [
     (("self_attention.linear_proj.weight",), "self_attn.o_proj.weight"),
     (("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"), "post_attention_layernorm.weight"),
 ]
+# --qk-layernorm: RMSNorm over one head (shared by all heads), before RoPE; same names in both specs
+QK_NORM_MAP: list[tuple[tuple[str, ...], str]] = [
+    (("self_attention.q_layernorm.weight",), "self_attn.q_norm.weight"),
+    (("self_attention.k_layernorm.weight",), "self_attn.k_norm.weight"),
+]
 LAYER_MAP: list[tuple[tuple[str, ...], str]] = [*ATTENTION_MAP, (("mlp.linear_fc2.weight",), "mlp.down_proj.weight")]
 _QKV_HF = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _FC1_HF = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
@@ -88,6 +97,7 @@ _REFUSED_FLAGS = (
     ("layernorm_zero_centered_gamma", "zero-centered norm weights"),
     ("apply_residual_connection_post_layernorm", "post-norm residuals"),
     ("qk_layernorm", "query/key normalization (--qk-layernorm)"),
+    ("qk_l2_norm", "L2-normalised queries and keys (--qk-l2-norm)"),
     ("multi_latent_attention", "multi-latent attention (MLA)"),
     ("num_experts", "mixture of experts (--num-experts)"),
     ("mtp_num_layers", "multi-token prediction layers"),
@@ -236,7 +246,8 @@ def to_llama_state_dict(
     """The ``LlamaForCausalLM`` state dict of Megatron ``params`` (global names, ``args`` already checked).
 
     ``mlp`` maps each layer's MLP (Llama's dense SwiGLU by default); ``model`` names the
-    target in errors.
+    target in errors. With ``qk_layernorm`` in the args the q/k norms are mapped too
+    (:data:`QK_NORM_MAP`; only a family that admits them gets here with it set).
 
     Raises:
         CheckpointError: a tensor Llama needs is missing, or one it has no place for is present (named).
@@ -248,9 +259,10 @@ def to_llama_state_dict(
         out["lm_head.weight"] = _need(params, OUTPUT_LAYER, where)[:vocab]
     out["model.norm.weight"] = _need(params, FINAL_NORM, where)
     used.add(FINAL_NORM)
+    attention = ATTENTION_MAP + (QK_NORM_MAP if _arg(args, "qk_layernorm", False) else [])
     for i in range(layers):
         prefix, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for candidates, hf_name in ATTENTION_MAP:
+        for candidates, hf_name in attention:
             name = _one_of(params, prefix, candidates, where)
             out[hf + hf_name] = params[name]
             used.add(name)
@@ -350,19 +362,21 @@ def from_llama_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Megatron global tensors (legacy names, unpadded vocabulary) of a ``LlamaForCausalLM`` state dict.
 
-    ``mlp`` maps each layer's MLP (Llama's dense SwiGLU by default).
+    ``mlp`` maps each layer's MLP (Llama's dense SwiGLU by default); ``q_norm`` / ``k_norm``
+    are read when the args say ``qk_layernorm``.
 
     Raises:
         MissingKeysError: a tensor Llama has is missing, or one it has no place for is present.
     """
     heads, groups = heads_and_groups(args)
+    qk_norm = QK_NORM_MAP if _arg(args, "qk_layernorm", False) else []
     tied = not args["untie_embeddings_and_output_weights"]
     hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_HF)}
     if tied:
         hf.pop("lm_head.weight", None)  # some files keep the tied copy
     wanted = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
     for i in range(int(args["num_layers"])):
-        names = [n for _, n in ATTENTION_MAP] + list(_QKV_HF) + mlp.hf_names(args)
+        names = [n for _, n in ATTENTION_MAP + qk_norm] + list(_QKV_HF) + mlp.hf_names(args)
         wanted += [f"model.layers.{i}.{n}" for n in names]
     missing, unexpected = [k for k in wanted if k not in hf], sorted(set(hf) - set(wanted))
     if missing or unexpected:
@@ -373,6 +387,7 @@ def from_llama_state_dict(
         out[prefix + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[prefix + "self_attention.linear_proj.weight"] = hf[src + "self_attn.o_proj.weight"]
         out[prefix + QKV] = separate_to_qkv(*(hf[src + n] for n in _QKV_HF), heads, groups)
+        out.update((prefix + names[0], hf[src + n]) for names, n in qk_norm)  # SelfAttention builds them after QKV
         out[prefix + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
         out.update((prefix + n, t) for n, t in mlp.from_hf(hf, src, args).items())
     out[FINAL_NORM] = hf["model.norm.weight"]

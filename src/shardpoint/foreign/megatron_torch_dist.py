@@ -261,6 +261,8 @@ _LAYER_ORDER = [
     "input_layernorm",
     "self_attention.linear_proj",
     "self_attention.linear_qkv",
+    "self_attention.q_layernorm",  # --qk-layernorm: SelfAttention builds the norms after linear_qkv
+    "self_attention.k_layernorm",
     "pre_mlp_layernorm",
     "mlp.linear_fc1",
     "mlp.linear_fc2",

@@ -22,6 +22,10 @@ group-limited routing, token dropping (a capacity factor), dense layers among Mo
 grouped-GEMM or latent experts, probabilities applied to the expert input, ... The
 load-balancing loss (``aux_loss`` and its variants) only adds a training loss and is kept
 as ``router_aux_loss_coef``.
+
+Qwen3-MoE (:mod:`.qwen3_moe`) has the same MoE block under other names: :func:`moe_mlp` builds
+the mapping for either naming, :func:`moe_base_config` and :func:`megatron_moe_args` are the
+config and args both share.
 """
 
 from __future__ import annotations
@@ -39,16 +43,17 @@ __all__ = [
     "MOE_MLP",
     "from_mixtral_state_dict",
     "megatron_args_from_mixtral",
+    "megatron_moe_args",
     "mixtral_config",
     "mixtral_problems",
+    "moe_base_config",
+    "moe_mlp",
     "to_mixtral_state_dict",
 ]
 
 ARCHITECTURE = "MixtralForCausalLM"
 ROUTER = "mlp.router.weight"
 _EXPERT_FC = "mlp.experts.local_experts.{}.linear_fc{}.weight"
-_HF_GATE = "block_sparse_moe.gate.weight"
-_HF_EXPERT = "block_sparse_moe.experts.{}.{}.weight"
 _LOCAL = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 
 # Megatron flag -> what Mixtral cannot compute (set and not false/None/0: refused)
@@ -79,18 +84,18 @@ def _balancing(args: dict[str, Any]) -> list[str]:
     return list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
 
 
-def mixtral_problems(args: dict[str, Any]) -> list[str]:
+def mixtral_problems(args: dict[str, Any], model: str = "Mixtral") -> list[str]:
     """What in Megatron ``args`` ``MixtralForCausalLM`` cannot hold exactly, one phrase each (empty: Mixtral).
 
     Everything :func:`.llama.llama_problems` names but the experts themselves, and the MoE
-    features above.
+    features above. ``model`` names the family in the phrases (Qwen3-MoE shares the router).
     """
     if not _arg(args, "num_experts", 0):
         return ["no experts (a dense model: LlamaForCausalLM holds it)"]
     problems = llama.llama_problems(args | {"num_experts": None})
     score = _arg(args, "moe_router_score_function", "softmax")
     if score != "softmax":
-        problems.append(f"a {score} router (--moe-router-score-function {score}; Mixtral's router is a softmax)")
+        problems.append(f"a {score} router (--moe-router-score-function {score}; {model}'s router is a softmax)")
     problems += [what for flag, what in _REFUSED_MOE_FLAGS if _arg(args, flag, False)]
     if _arg(args, "moe_shared_expert_gate", False) and not _arg(args, "moe_shared_expert_intermediate_size", 0):
         problems.append("a shared-expert gate (--moe-shared-expert-gate)")
@@ -108,47 +113,59 @@ def _experts(args: dict[str, Any]) -> int:
     return int(args["num_experts"])
 
 
-def _moe_to_hf(params: dict[str, torch.Tensor], prefix: str, where: str) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """One layer's router and experts (``prefix``: ``decoder.layers.<l>.``) under Mixtral's names."""
-    experts = sorted(int(m.group(1)) for n in params if n.startswith(prefix) and (m := _LOCAL.match(n[len(prefix) :])))
-    count = experts[-1] + 1 if experts else 0
-    out = {_HF_GATE: _need(params, prefix + ROUTER, where)}
-    if out[_HF_GATE].shape[0] != count:
-        raise CheckpointError(
-            f"{where}: {prefix + ROUTER} routes to {out[_HF_GATE].shape[0]} experts, but the layer holds experts "
-            f"{sorted(set(experts))}; a Mixtral layer needs every expert 0..E-1"
-        )
-    used = {prefix + ROUTER}
-    for g in range(count):
-        fc1, fc2 = (prefix + _EXPERT_FC.format(g, i) for i in (1, 2))
-        gate, up = torch.chunk(_need(params, fc1, where), 2, dim=0)
-        out |= {_HF_EXPERT.format(g, "w1"): gate, _HF_EXPERT.format(g, "w3"): up}
-        out[_HF_EXPERT.format(g, "w2")] = _need(params, fc2, where)
-        used |= {fc1, fc2}
-    return out, used
+def moe_mlp(gate: str, expert: str, weights: tuple[str, str, str], model: str) -> llama.MlpMapping:
+    """The MoE block's mapping for one Hugging Face naming (Mixtral's or Qwen3-MoE's: same block, other names).
+
+    Args:
+        gate: the router's HF name inside a layer (``block_sparse_moe.gate.weight``).
+        expert: the experts' HF name pattern, ``{}`` for the expert id then the weight.
+        weights: the HF names of the gate, up and down projections (``w1``, ``w3``, ``w2``).
+        model: the target, as errors name it (``"a Mixtral model"``).
+    """
+    w_gate, w_up, w_down = weights
+
+    def need(params: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+        if name not in params:
+            raise CheckpointError(f"{where} has no {name}, which {model} needs; is this a megatron-core MoE GPT?")
+        return params[name]
+
+    def to_hf(params: dict[str, torch.Tensor], prefix: str, where: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """One layer's router and experts (``prefix``: ``decoder.layers.<l>.``) under the HF names."""
+        found = (m for n in params if n.startswith(prefix) and (m := _LOCAL.match(n[len(prefix) :])))
+        experts = sorted(int(m.group(1)) for m in found)
+        count = experts[-1] + 1 if experts else 0
+        out = {gate: need(params, prefix + ROUTER, where)}
+        if out[gate].shape[0] != count:
+            raise CheckpointError(
+                f"{where}: {prefix + ROUTER} routes to {out[gate].shape[0]} experts, but the layer holds experts "
+                f"{sorted(set(experts))}; {model} needs every expert 0..E-1 in every layer"
+            )
+        used = {prefix + ROUTER}
+        for g in range(count):
+            fc1, fc2 = (prefix + _EXPERT_FC.format(g, i) for i in (1, 2))
+            up_gate, up = torch.chunk(need(params, fc1, where), 2, dim=0)
+            out |= {expert.format(g, w_gate): up_gate, expert.format(g, w_up): up}
+            out[expert.format(g, w_down)] = need(params, fc2, where)
+            used |= {fc1, fc2}
+        return out, used
+
+    def hf_names(args: dict[str, Any]) -> list[str]:
+        return [gate] + [expert.format(g, w) for g in range(_experts(args)) for w in (w_gate, w_down, w_up)]
+
+    def from_hf(hf: dict[str, torch.Tensor], src: str, args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """One layer's Megatron router and experts (GPTModel order: router, then each expert's fc1, fc2)."""
+        out = {ROUTER: hf[src + gate]}
+        for g in range(_experts(args)):
+            out[_EXPERT_FC.format(g, 1)] = torch.cat([hf[src + expert.format(g, w)] for w in (w_gate, w_up)])
+            out[_EXPERT_FC.format(g, 2)] = hf[src + expert.format(g, w_down)]
+        return out
+
+    return llama.MlpMapping(to_hf=to_hf, hf_names=hf_names, from_hf=from_hf)
 
 
-def _moe_hf_names(args: dict[str, Any]) -> list[str]:
-    return [_HF_GATE] + [_HF_EXPERT.format(g, w) for g in range(_experts(args)) for w in ("w1", "w2", "w3")]
-
-
-def _moe_from_hf(hf: dict[str, torch.Tensor], src: str, args: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """One layer's Megatron router and experts (GPTModel order: router, then each expert's fc1, fc2)."""
-    out = {ROUTER: hf[src + _HF_GATE]}
-    for g in range(_experts(args)):
-        w1, w2, w3 = (hf[src + _HF_EXPERT.format(g, w)] for w in ("w1", "w2", "w3"))
-        out[_EXPERT_FC.format(g, 1)] = torch.cat([w1, w3])
-        out[_EXPERT_FC.format(g, 2)] = w2
-    return out
-
-
-MOE_MLP = llama.MlpMapping(to_hf=_moe_to_hf, hf_names=_moe_hf_names, from_hf=_moe_from_hf)
-
-
-def _need(params: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
-    if name not in params:
-        raise CheckpointError(f"{where} has no {name}, which a Mixtral model needs; is this a megatron-core MoE GPT?")
-    return params[name]
+MOE_MLP = moe_mlp(
+    "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{}.{}.weight", ("w1", "w3", "w2"), "a Mixtral model"
+)
 
 
 def to_mixtral_state_dict(
@@ -165,29 +182,46 @@ def to_mixtral_state_dict(
     return llama.to_llama_state_dict(args, params, vocab, layers, where, mlp=MOE_MLP, model="a Mixtral model")
 
 
+def moe_base_config(
+    args: dict[str, Any], params: dict[str, torch.Tensor], vocab: int, layers: int, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The Llama ``config.json`` a Megatron MoE model shares with Mixtral's and Qwen3-MoE's (``args`` checked).
+
+    ``intermediate_size`` is the experts' (``moe_ffn_hidden_size``); ``num_experts_per_tok`` and
+    ``router_aux_loss_coef`` are set; Llama's ``mlp_bias`` and ``pretraining_tp`` are gone.
+    """
+    config = llama.llama_config(args, params | {f"decoder.layers.0.{llama.FC1}": _fc1(params)}, vocab, layers, dtype)
+    for key in ("mlp_bias", "pretraining_tp"):  # Llama's only
+        config.pop(key)
+    aux = _arg(args, "moe_aux_loss_coeff", 0.0)
+    return config | {
+        "num_experts_per_tok": int(_arg(args, "moe_router_topk", 2)),
+        "router_aux_loss_coef": float(aux[0] if isinstance(aux, (list, tuple)) else aux),
+        "output_router_logits": False,
+    }
+
+
 def mixtral_config(
     args: dict[str, Any], params: dict[str, torch.Tensor], vocab: int, layers: int, dtype: torch.dtype
 ) -> dict[str, Any]:
     """``config.json`` of the ``MixtralForCausalLM`` equal to a Megatron MoE model (``args`` already checked)."""
-    config = llama.llama_config(args, params | {f"decoder.layers.0.{llama.FC1}": _fc1(params)}, vocab, layers, dtype)
-    for key in ("mlp_bias", "attention_bias", "pretraining_tp"):  # Llama's, not MixtralConfig's
-        config.pop(key)
-    aux = _arg(args, "moe_aux_loss_coeff", 0.0)
+    config = moe_base_config(args, params, vocab, layers, dtype)
+    config.pop("attention_bias")  # not MixtralConfig's
     return config | {
         "architectures": [ARCHITECTURE],
         "model_type": "mixtral",
         "num_local_experts": int(args["num_experts"]),
-        "num_experts_per_tok": int(_arg(args, "moe_router_topk", 2)),
         "router_jitter_noise": 0.0,
-        "router_aux_loss_coef": float(aux[0] if isinstance(aux, (list, tuple)) else aux),
-        "output_router_logits": False,
         "sliding_window": None,
     }
 
 
 def _fc1(params: dict[str, torch.Tensor]) -> torch.Tensor:
     """Expert 0's ``linear_fc1`` of layer 0: its rows give ``intermediate_size`` (``moe_ffn_hidden_size``) x 2."""
-    return _need(params, "decoder.layers.0." + _EXPERT_FC.format(0, 1), "the checkpoint")
+    name = "decoder.layers.0." + _EXPERT_FC.format(0, 1)
+    if name not in params:
+        raise CheckpointError(f"the checkpoint has no {name}; is this a megatron-core MoE GPT?")
+    return params[name]
 
 
 def megatron_args_from_mixtral(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -205,10 +239,20 @@ def megatron_args_from_mixtral(config: dict[str, Any], where: str) -> dict[str, 
     if problems:
         raise CheckpointError(f"{where}: this Mixtral model cannot be converted exactly: " + "; ".join(problems))
     args = llama.megatron_args_from_llama(config, where)
-    experts, ffn = int(config["num_local_experts"]), int(config["intermediate_size"])
-    return args | {
+    return args | megatron_moe_args(
+        int(config["num_local_experts"]),
+        int(config.get("num_experts_per_tok", 2)),
+        int(config["intermediate_size"]),
+        float(config.get("router_aux_loss_coef", 0.0)),
+    )
+
+
+def megatron_moe_args(experts: int, topk: int, ffn: int, aux_loss_coeff: float) -> dict[str, Any]:
+    """Megatron's MoE args for the block Mixtral and Qwen3-MoE share: softmax top-k routing over
+    ``experts`` SwiGLU experts of width ``ffn``, renormalised, nothing dropped or added."""
+    return {
         "num_experts": experts,
-        "moe_router_topk": int(config.get("num_experts_per_tok", 2)),
+        "moe_router_topk": topk,
         "moe_ffn_hidden_size": ffn,
         "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": False,
@@ -216,7 +260,7 @@ def megatron_args_from_mixtral(config: dict[str, Any], where: str) -> dict[str, 
         "moe_router_enable_expert_bias": False,
         "moe_shared_expert_intermediate_size": None,
         "moe_router_load_balancing_type": "aux_loss",
-        "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0)),
+        "moe_aux_loss_coeff": aux_loss_coeff,
         "moe_expert_capacity_factor": None,
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
