@@ -99,3 +99,14 @@ def test_the_moe_preset_holds_whole_experts_by_global_id_at_every_expert_paralle
     assert set().union(*at4) == set().union(*at2) == at1[0]
     assert sum(len(k) for k in at4) == len(at1[0])  # no expert on two ranks
     assert "layers.0.experts.127.w2.exp_avg" in at4[3] and "layers.0.experts.64.w1.weight" in at2[1]
+
+
+def test_the_lora_preset_stores_the_frozen_base_once_and_reports_both_rows(tmp_path):
+    """``--shapes lora`` (the issue's preset; ``--frozen-base`` is its older name): bytes are counted, so asserted."""
+    report = run_bench_json(str(tmp_path / "disk"), None, 1, "--shapes", "lora", "--size", "16MB")
+    lora, full = report["lora"], report["full fine-tune"]
+    assert report["bytes ratio"] <= 1.05  # a save after the first holds the trained part only
+    assert lora["bytes per save"]["full"] > 5 * lora["bytes per save"]["once"]  # 95% of the parameters are frozen
+    assert full["bytes per save"]["once"] == full["bytes per save"]["full"]  # nothing frozen: nothing referred to
+    assert report["time ratio"] > 0 and report["full fine-tune ratio"] > 0
+    assert not any((tmp_path / "disk").iterdir())

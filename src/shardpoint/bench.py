@@ -368,12 +368,12 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--shapes",
-        choices=["synthetic", *SHAPE_PRESETS],
+        choices=["synthetic", *SHAPE_PRESETS, "lora"],
         default="synthetic",
         help="tensor shapes: 'synthetic' (GPT-like, many mid-sized tensors) or a rank of a real tensor-parallel "
         "model (7b-tp8: fewer, larger tensors; 1b-tp2), uniform-8mib (equal 8 MiB tensors), moe (one "
-        "expert-parallel rank: thousands of bf16 expert matrices) or many-small (10,000 tensors of 256 values, "
-        "whatever --size says); the layer count follows --size",
+        "expert-parallel rank: thousands of bf16 expert matrices), many-small (10,000 tensors of 256 values, "
+        "whatever --size says) or lora (the --frozen-base rows); the layer count follows --size",
     )
     parser.add_argument(
         "--keep-last",
@@ -422,7 +422,7 @@ def _run(args: argparse.Namespace) -> int:
         from shardpoint.commands import bench_store
 
         return bench_store.report(args.store, args.size, args.ranks, args.repeat, args.json, args.quiet)
-    if args.frozen_base:
+    if args.frozen_base or args.shapes == "lora":
         from shardpoint.commands import bench_frozen
 
         return bench_frozen.report(args.size, max(args.repeat, 4), args.dirs or _default_dirs(), args.json, args.quiet)
