@@ -214,10 +214,10 @@ def test_the_cli_converts_a_moe_checkpoint(tmp_path):
     [
         ({"moe_grouped_gemm": True}, r"grouped-GEMM experts \(--moe-grouped-gemm", False),
         ({"moe_layer_freq": [1, 0]}, r"MoE layers mixed with dense layers", False),
-        ({"expert_tensor_parallel_size": 2}, r"expert tensor parallelism.*--no-optimizer", True),
-        (
+        ({"expert_tensor_parallel_size": 2}, r"expert tensor parallelism other than tp.*tp=1.*--no-optimizer", True),
+        (  # ep with pipeline stages is derived (tests/test_foreign_moe_layouts.py): these buckets do not fit it
             {"pipeline_model_parallel_size": 2},
-            r"expert parallelism \(ep=2\) with pipeline stages.*--no-optimizer",
+            r"distributed-optimizer groups \[0\], but tp=1 x pp=2 needs one per model-parallel rank",
             True,
         ),
         ({"expert_model_parallel_size": 1}, r"'chained_0\..*chained optimizer.*--no-optimizer", True),

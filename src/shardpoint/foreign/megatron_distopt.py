@@ -34,10 +34,13 @@ wrong derivation is an error naming the parameter, never silently shuffled momen
 The 64-element gaps are ``torch.empty`` memory in Megatron's files and are skipped.
 
 Mixture of experts (:mod:`.megatron_moe`): with ep=1 the experts are parameters of the
-one optimizer, in GPTModel order. With ep > 1 megatron-core chains two distributed
-optimizers, keys prefixed ``chained_0.`` (the dense parameters, groups by model-parallel
-rank as above) and ``chained_1.`` (the experts: ``dp_group_idx_<ep rank>`` holds that ep
-rank's experts, global ids ``r * E / ep ...``, in the same reversed, 64-aligned order).
+one optimizer, in GPTModel order (split over tp like a dense MLP when etp = tp > 1, whole
+when etp = 1). With ep > 1 megatron-core chains two distributed optimizers, keys prefixed
+``chained_0.`` (the dense parameters, groups by model-parallel rank as above) and
+``chained_1.`` (the experts: ``dp_group_idx_<j>``, ``j = etp_rank + etp * (ep_rank + ep *
+pp_rank)``, the rank in megatron-core's ``expt_tp_pp_group``, holds ep rank ``r``'s experts
+of stage ``p``'s layers, global ids ``r * E / ep ...``, their etp piece, in the same
+reversed, 64-aligned order).
 
 Refused, each named: virtual pipeline stages, uneven pipeline splits, the MoE layouts
 :func:`~shardpoint.foreign.megatron_moe.refuse_moe` names, multi-token
@@ -59,6 +62,7 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign.megatron_moe import (
     expert_id,
     expert_parallel,
+    expert_tensor_parallel,
     is_expert,
     moe_rank,
     num_experts,
@@ -263,14 +267,16 @@ def _stage_names(params: Mapping[str, torch.Tensor], args: Any, pp: int, where: 
     return [buffer_order(names, where) for names in stages]
 
 
-def _tp_dim(name: str) -> int | None:
-    """The dim a parameter is split along over tp: experts are whole (expert tp > 1 is refused)."""
-    return None if is_expert(name) else split_dim(name)
+def _tp_dim(name: str, etp: int) -> int | None:
+    """The dim a parameter is split along over tp; routed experts are split over etp (whole at etp=1)."""
+    if is_expert(name) and etp == 1:
+        return None
+    return split_dim(name)
 
 
-def _local_piece(name: str, tensor: torch.Tensor, t: int, tp: int, swiglu: bool) -> torch.Tensor:
-    """Rank ``t``'s tensor-parallel piece of a global tensor, as that rank holds it."""
-    dim = _tp_dim(name)
+def _local_piece(name: str, tensor: torch.Tensor, t: int, tp: int, swiglu: bool, etp: int) -> torch.Tensor:
+    """Rank ``t``'s tensor-parallel piece of a global tensor, as that rank holds it (experts: at etp)."""
+    dim = _tp_dim(name, etp)
     if dim is None or tp == 1 or tensor.dim() == 0:
         return tensor
     if swiglu and "linear_fc1" in name and dim == 0:
@@ -362,9 +368,9 @@ def _check_recorded(label: str, recorded: Any, gbuf: int, sizes: list[int]) -> N
         )
 
 
-def _merge(name: str, key: str, pieces: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+def _merge(name: str, key: str, pieces: list[torch.Tensor], swiglu: bool, etp: int) -> torch.Tensor:
     """Tensor-parallel pieces of one state of ``name`` joined as its global tensor."""
-    dim = _tp_dim(name)
+    dim = _tp_dim(name, etp)
     if len(pieces) == 1 or dim is None or pieces[0].dim() == 0:
         for i, piece in enumerate(pieces[1:], 1):
             if not torch.equal(piece, pieces[0]):
@@ -428,6 +434,7 @@ def _decode_dense(
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     swiglu = bool(getattr(args, "swiglu", False))
+    etp = expert_tensor_parallel(args)  # ep = 1 here, or the experts are not in these buffers
     groups = sorted({key[0] for key in buckets})
     if groups != list(range(tp * pp)):
         raise CorruptCheckpointError(
@@ -438,14 +445,14 @@ def _decode_dense(
     for group in groups:
         t, p = group % tp, group // tp
         source = {n: params.get(n, params.get("embedding.word_embeddings.weight")) for n in stages[p]}
-        local = {n: _local_piece(n, tensor, t, tp, swiglu) for n, tensor in source.items()}
+        local = {n: _local_piece(n, tensor, t, tp, swiglu, etp) for n, tensor in source.items()}
         recorded = extras.get(group, {}).get("per_bucket_numel_unpadded")
         per_rank[(t, p)] = _rank_moments(where, group, stages[p], local, buckets, recorded)
     moments = {}
     for p, names in enumerate(stages):
         for name in (n for n in names if n in params):
             pieces = [per_rank[(t, p)][name] for t in range(tp)]
-            moments[name] = {k: _merge(name, k, [pc[k] for pc in pieces], swiglu) for k in pieces[0]}
+            moments[name] = {k: _merge(name, k, [pc[k] for pc in pieces], swiglu, etp) for k in pieces[0]}
     log.debug("%s: decoded %d buckets of %d model-parallel ranks", where, len(buckets), len(groups))
     return moments
 
@@ -453,27 +460,45 @@ def _decode_dense(
 def _decode_experts(
     where: str, args: Any, experts: Mapping[str, torch.Tensor], buckets: Buckets, extras: Mapping[int, Any]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """The experts' moments from the expert optimizer (``chained_1``): ``dp_group_idx_<r>`` holds ep rank r's experts.
+    """The experts' moments from the expert optimizer (``chained_1``), one group per expert model-parallel rank.
 
-    Expert tp is 1 and pp is 1 (else refused), so group ``r`` of the expert tensor/expert/
-    pipeline group is ep rank ``r``; its buffer holds global experts ``r * E/ep ...``, whole.
+    megatron-core numbers the expert optimizer's groups by the rank in the expert
+    tensor/expert/pipeline group (``expt_tp_pp_group``, built from the ``tp-ep-pp`` ranks of
+    the expert rank generator: etp fastest, then ep, then pp): ``dp_group_idx_<j>`` with
+    ``j = etp_rank + etp * (ep_rank + ep * pp_rank)`` holds the experts ``r * E/ep ...`` of
+    ep rank ``r`` in the layers of pipeline stage ``p``, in the same reversed, 64-aligned
+    order; at etp > 1 (= tp, else refused by :func:`refuse_moe`) each holds its etp piece of
+    those experts (``linear_fc1`` as ``[gate_t; up_t]``, ``linear_fc2`` split along dim 1).
+    Checked against Megatron's own checkpoints at ep=2 with pp=2, and with tp=etp=2.
     """
     ep, total = expert_parallel(args), num_experts(args)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    etp = expert_tensor_parallel(args)
+    swiglu = bool(getattr(args, "swiglu", False))
     if total % ep:
         raise CorruptCheckpointError(f"{where}: num_experts={total} does not divide by ep={ep} in the args")
     groups = sorted({key[0] for key in buckets})
-    if groups != list(range(ep)):
+    if groups != list(range(etp * ep * pp)):
         raise CorruptCheckpointError(
-            f"{where}: the expert optimizer (chained_1) has groups {groups}, but ep={ep} needs one per ep rank"
+            f"{where}: the expert optimizer (chained_1) has groups {groups}, but etp={etp} x ep={ep} x pp={pp} "
+            "needs one per expert model-parallel rank"
         )
     per_rank = total // ep
-    moments = {}
-    for r in groups:
-        names = buffer_order([n for n in experts if expert_id(n) // per_rank == r], where)
-        recorded = extras.get(r, {}).get("per_bucket_numel_unpadded")
-        label = f"{where} (expert optimizer chained_1, ep rank {r})"
-        moments.update(_rank_moments(label, r, names, {n: experts[n] for n in names}, buckets, recorded))
-    log.debug("%s: decoded the experts of %d ep ranks", where, ep)
+    stages = _stage_names(experts, args, pp, where)
+    pieces: dict[str, list[dict[str, torch.Tensor]]] = {}
+    for j in groups:
+        t, r, p = j % etp, (j // etp) % ep, j // (etp * ep)
+        names = [n for n in stages[p] if expert_id(n) // per_rank == r]
+        local = {n: _local_piece(n, experts[n], t, etp, swiglu, etp) for n in names}
+        recorded = extras.get(j, {}).get("per_bucket_numel_unpadded")
+        label = f"{where} (expert optimizer chained_1, ep rank {r}, pipeline stage {p}, expert tp rank {t})"
+        for name, entry in _rank_moments(label, j, names, local, buckets, recorded).items():
+            pieces.setdefault(name, []).append(entry)
+    moments = {
+        name: {k: _merge(name, k, [pc[k] for pc in parts], swiglu, etp) for k in parts[0]}
+        for name, parts in pieces.items()
+    }
+    log.debug("%s: decoded the experts of %d expert model-parallel ranks", where, len(groups))
     return moments
 
 

@@ -32,8 +32,11 @@ state dicts and ``distrib_optim.pt`` the list of their two gathered buffers, the
 Refused, each named (:func:`refuse_moe`): grouped-GEMM experts
 (``--moe-grouped-gemm``: ``GroupedMLP`` / ``TEGroupedMLP`` hold other parameters), MoE
 layers mixed with dense ones (``--moe-layer-freq``), latent MoE; and for the optimizer's
-buckets, expert tensor parallelism (etp > 1) and expert parallelism with pipeline stages,
-whose group numbering is not derived here.
+buckets, expert tensor parallelism other than tp at etp > 1 (whose split of the experts over
+the tensor-parallel ranks is not derived here). Derived, each checked against a checkpoint of
+Megatron-LM's own: etp = tp = 2 at ep=1 (the experts split like a dense MLP in the one
+optimizer) and at ep=2, etp=1 at tp=2 (the experts whole on each tp rank), and ep=2 with pp=2
+(the expert optimizer's ``dp_group_idx_<etp_rank + etp * (ep_rank + ep * pp_rank)>``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 __all__ = [
     "expert_id",
     "expert_parallel",
+    "expert_tensor_parallel",
     "is_buffer",
     "is_expert",
     "moe_rank",
@@ -75,6 +79,12 @@ def num_experts(args: Any) -> int:
 def expert_parallel(args: Any) -> int:
     """The expert-parallel size the checkpoint was saved at (1 without experts)."""
     return int(getattr(args, "expert_model_parallel_size", 1) or 1) if num_experts(args) else 1
+
+
+def expert_tensor_parallel(args: Any) -> int:
+    """The expert tensor-parallel size the checkpoint was saved at (Megatron's default: tp)."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    return int(getattr(args, "expert_tensor_parallel_size", None) or tp)
 
 
 def is_expert(name: str) -> bool:
@@ -186,12 +196,10 @@ def refuse_moe(where: str, args: Any, *, buckets: bool, hint: str = "") -> None:
         raise CheckpointError(f"{where}: mixture-of-experts checkpoints with {'; '.join(problems)} are not supported")
     if not buckets:
         return
-    etp = int(getattr(args, "expert_tensor_parallel_size", None) or 1)
-    if etp > 1:
-        problems.append(f"expert tensor parallelism (--expert-tensor-parallel-size {etp})")
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    if expert_parallel(args) > 1 and pp > 1:
-        problems.append(f"expert parallelism (ep={expert_parallel(args)}) with pipeline stages (pp={pp})")
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = expert_tensor_parallel(args)
+    if etp > 1 and etp != tp:
+        problems.append(f"expert tensor parallelism other than tp (--expert-tensor-parallel-size {etp}, tp={tp})")
     if problems:
         raise CheckpointError(
             f"{where}: the distributed optimizer's bucket layout is not derived for mixture of experts with "
