@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import shardpoint as sp
+from shardpoint.lifecycle.node_local import NODE_MARKER
 from shardpoint.storage.object_store import object_filesystem
 from tests import toy
 from tests.distributed import launch
@@ -386,3 +388,55 @@ def test_a_copy_source_deleted_between_saves_is_written_again(s3_server, bucket)
     assert sp.Checkpointer(root, topology=topo).load(fresh).iteration == 3
     for key, (_, _, tensor) in toy.snapshot(state)["tensors"].items():
         assert torch.equal(toy.snapshot(fresh)["tensors"][key][2], tensor), key
+
+
+def _node_local_and_tier(rank: int, world: int, base: str, remote: str, steps: int, wipe: str):
+    """Two ranks, each its own "node": node-local parts uploaded to ``remote``, and a local tier over it."""
+    topo = sp.Topology(1, 1, 2)
+    out = {}
+    for kind in ("node_local", "tier"):
+        toy.seed_rng(topo, seed=7)
+        state = toy.build(topo)
+        if kind == "node_local":
+            ckpt = sp.Checkpointer(f"{base}/node{rank}", topology=topo, upload_to=f"{remote}/nodes", keep_last=1)
+        else:
+            ckpt = sp.Checkpointer(
+                f"{remote}/tiered", topology=topo, local_dir=f"{base}/local{rank}", local_interval=1, save_interval=2
+            )
+        result = ckpt.load(state)
+        loaded = None if result is None else (result.iteration, result.tier, result.source, toy.snapshot(state))
+        for step in range((result.iteration if result else 0) + 1, steps + 1):
+            toy.train_step(state, step)
+            ckpt.maybe_save(step, state) if kind == "tier" else ckpt.save(step, state)
+            if step == 2:
+                out[f"{kind} at 2"] = toy.snapshot(state)
+        ckpt.close()
+        out[kind] = {"loaded": loaded, "final": toy.snapshot(state)}
+    return out
+
+
+@pytest.mark.parametrize("cloud", ["gs", "az"], indirect=True)
+def test_node_local_parts_and_the_local_tier_over_gcs_and_azure(cloud, cloud_bucket, tmp_path):
+    """Issue 38 item 1: ``node_local`` (parts on unshared node directories, the whole in the store) and the local
+    tier's persistent store on gs:// and az://; S3's are in test_multinode_units and test_local_tier."""
+    remote = f"{cloud_bucket}/run"
+    first = launch(_node_local_and_tier, 2, str(tmp_path), remote, 3, "", env=cloud.env)
+    assert all(r["node_local"]["loaded"] is None and r["tier"]["loaded"] is None for r in first)
+    assert all((tmp_path / f"node{r}" / "iter_0000003" / NODE_MARKER).exists() for r in (0, 1))  # node-local parts
+    for node in ("node1", "local0", "local1"):  # a node replaced: its directory and its local copies are gone
+        shutil.rmtree(tmp_path / node)
+    again = launch(_node_local_and_tier, 2, str(tmp_path), remote, 3, "", env=cloud.env)
+    scheme = remote.split("://")[0] + "://"
+    for before, after in zip(first, again):
+        iteration, _, _, snap = after["node_local"]["loaded"]
+        assert iteration == 3  # node 0's part from its own disk, node 1's from the store
+        _same_snapshot(before["node_local"]["final"], snap)
+        iteration, tier, source, snap = after["tier"]["loaded"]
+        assert (iteration, tier) == (2, "persistent") and source.startswith(scheme), (iteration, tier, source)
+        _same_snapshot(before["tier at 2"], snap)
+
+
+def _same_snapshot(expected: dict, got: dict) -> None:
+    for key, (_, _, tensor) in expected["tensors"].items():
+        assert torch.equal(got["tensors"][key][2], tensor), key
+    assert torch.equal(expected["rng"], got["rng"])
