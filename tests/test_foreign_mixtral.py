@@ -157,6 +157,18 @@ def _load_weights(rank: int, world: int, root: str, ep: int, shapes: dict) -> di
     return {"release": result.release, "finetune": result.finetune, "loaded": loaded}
 
 
+def check_ep_rank(got: dict, ep_rank: int, params: dict) -> None:
+    """One ep rank of an ep=2 load of a 4-expert import: experts ``2r`` and ``2r+1`` and every dense tensor, equal."""
+    assert got["release"] and got["finetune"]
+    experts = {n.split("local_experts.")[1].split(".")[0] for n in got["loaded"] if "local_experts." in n}
+    assert experts == {str(2 * ep_rank), str(2 * ep_rank + 1)}
+    assert sorted(got["loaded"]) == sorted(
+        n for n in params if "local_experts." not in n or n.split("local_experts.")[1][0] in experts
+    )
+    for name, tensor in got["loaded"].items():
+        assert torch.equal(tensor, params[name]), name
+
+
 def test_the_hf_import_loads_at_ep2_on_two_ranks(tmp_path):
     hf, _ = small_mixtral(tmp_path)
     done = run_cli("convert", "--from", "hf", hf, tmp_path / "dist")
@@ -165,14 +177,7 @@ def test_the_hf_import_loads_at_ep2_on_two_ranks(tmp_path):
     original = tensors_of(hf)
     results = launch(_load_weights, 2, str(tmp_path / "dist"), 2, {n: t.shape for n, t in params.items()})
     for ep_rank, got in enumerate(results):  # tp=1, dp=2, ep=2: rank r holds experts 2r, 2r+1
-        assert got["release"] and got["finetune"]
-        experts = {n.split("local_experts.")[1].split(".")[0] for n in got["loaded"] if "local_experts." in n}
-        assert experts == {str(2 * ep_rank), str(2 * ep_rank + 1)}
-        assert sorted(got["loaded"]) == sorted(
-            n for n in params if "local_experts." not in n or n.split("local_experts.")[1][0] in experts
-        )
-        for name, tensor in got["loaded"].items():
-            assert torch.equal(tensor, params[name]), name
+        check_ep_rank(got, ep_rank, params)
         g = 2 * ep_rank + 1
         fc1 = got["loaded"][f"decoder.layers.1.mlp.experts.local_experts.{g}.linear_fc1.weight"]
         w1, w3 = (original[f"model.layers.1.block_sparse_moe.experts.{g}.{w}.weight"] for w in ("w1", "w3"))
