@@ -214,10 +214,11 @@ def test_marker_wins_over_a_held_note(tmp_path):
     assert [(e.name, e.committed) for e in entries] == [("iter_0000001", True)]
 
 
-def _single(root: Path, dedup: bool, edit=None) -> tuple[torch.nn.Module, sp.Checkpointer]:
+def _single(root: Path, dedup: bool, edit=None, freeze: bool = True) -> tuple[torch.nn.Module, sp.Checkpointer]:
+    """Two saves of a model whose first layer is not trained (``freeze``: also ``requires_grad=False``)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-    model[0].requires_grad_(False)
+    model[0].requires_grad_(not freeze)
     state = sp.TrainState(model=model, optimizer=torch.optim.SGD(model[1].parameters(), lr=0.1))
     ckpt = sp.Checkpointer(str(root), dedup=dedup)
     for it in (1, 2):
@@ -245,6 +246,27 @@ def test_a_frozen_tensor_changed_in_place_is_written_again(tmp_path):
     paths = storage_paths(root / "iter_0000002")
     assert not any(f.startswith("..") for f in paths["model.0.weight"])  # changed: its own bytes
     assert all(f.startswith("../iter_0000001/") for f in paths["model.0.bias"])  # unchanged: referred
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    sp.Checkpointer(str(root)).load(sp.TrainState(model=fresh), iteration=2)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], tensor), key
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_a_parameter_no_optimizer_group_holds_is_stored_once_too(tmp_path, edit):
+    """An optimizer over the head only, nothing marked frozen: the body is unchanged, so stored once; edited
+    in place (torch.no_grad, as a hand-made update would), it is written again."""
+    root = tmp_path / "run"
+
+    def change(model):
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+
+    model, _ = _single(root, dedup=True, edit=change if edit else None, freeze=False)
+    paths = storage_paths(root / "iter_0000002")
+    assert all(f.startswith("../iter_0000001/") for f in paths["model.0.bias"])
+    assert all(f.startswith("../iter_0000001/") for f in paths["model.0.weight"]) != edit
+    assert not any(f.startswith("..") for f in paths["model.1.weight"])  # trained: written
     fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
     sp.Checkpointer(str(root)).load(sp.TrainState(model=fresh), iteration=2)
     for key, tensor in model.state_dict().items():

@@ -141,7 +141,7 @@ def collect(
         flat.tensors = flatten_shards(values, MODEL_PREFIX, flat.rank_local)
         if resizable:
             flat.resizable = resizing.plain_keys(state.model, values, MODEL_PREFIX)
-        flat.frozen = frozen_keys(state.model, flat.tensors)
+        flat.frozen = frozen_keys(state.model, flat.tensors, state.optimizer)
     if include_optimizer and state.optimizer is not None:
         if init_optimizer:
             _ensure_optimizer_state(state.optimizer)
@@ -155,9 +155,24 @@ def collect(
     return flat
 
 
-def frozen_keys(model: torch.nn.Module, tensors: Mapping[str, Shard]) -> set[str]:
-    """The model keys whose tensor is (the local part of) a parameter that is not trained."""
-    frozen = {_local(p).data_ptr() for p in model.parameters() if not p.requires_grad and _local(p).numel()}
+def frozen_keys(
+    model: torch.nn.Module, tensors: Mapping[str, Shard], optimizer: torch.optim.Optimizer | None = None
+) -> set[str]:
+    """The model keys whose tensor is (the local part of) a parameter that is not trained.
+
+    Not trained: ``requires_grad=False``, or, when ``optimizer`` holds the model's own
+    parameters (a ``torch.optim`` optimizer, not a distributed one over master copies), a
+    parameter in none of its groups: an optimizer built over the adapters only leaves the
+    base unchanged even where nobody set ``requires_grad=False``. These are only
+    candidates: the save hashes each and stores it once only while its bytes stay equal
+    (:mod:`shardpoint.formats.dedup`), so a parameter changed by other means is written.
+    """
+    params = [p for p in model.parameters() if _local(p).numel()]
+    untrained = [p for p in params if not p.requires_grad]
+    optimized = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())}
+    if any(id(p) in optimized for p in params):
+        untrained += [p for p in params if p.requires_grad and id(p) not in optimized]
+    frozen = {_local(p).data_ptr() for p in untrained}
     if not frozen:
         return set()
     return {k for k, s in tensors.items() if k.startswith(MODEL_PREFIX) and s.tensor.data_ptr() in frozen}
