@@ -212,7 +212,11 @@ def test_the_cli_converts_a_moe_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     ("changes", "message", "weights_import"),
     [
-        ({"moe_grouped_gemm": True}, r"grouped-GEMM experts \(--moe-grouped-gemm", False),
+        (  # the legacy GroupedMLP is read (tests/test_foreign_moe_grouped.py); Transformer Engine's is not
+            {"moe_grouped_gemm": True, "transformer_impl": "transformer_engine"},
+            r"Transformer Engine grouped-GEMM experts \(--moe-grouped-gemm.*TEGroupedMLP",
+            False,
+        ),
         ({"moe_layer_freq": [1, 0]}, r"MoE layers mixed with dense layers", False),
         ({"expert_tensor_parallel_size": 2}, r"expert tensor parallelism other than tp.*tp=1.*--no-optimizer", True),
         (  # ep with pipeline stages is derived (tests/test_foreign_moe_layouts.py): these buckets do not fit it

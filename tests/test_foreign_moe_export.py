@@ -149,7 +149,12 @@ def test_from_shardpoint_keeps_the_buffers_in_model_order(imported):
         ({}, {}, CheckpointError, r"mixture-of-experts models \(num_experts=4\) needs.*--ep"),
         ({"ep": 3, "dp": 3}, {}, TopologyMismatchError, r"num_experts=4 does not divide into ep=3"),
         ({"ep": 2, "dp": 1}, {}, TopologyMismatchError, r"ep=2 does not divide dp=1"),
-        ({"ep": 2, "dp": 2}, {"moe_grouped_gemm": True}, CheckpointError, r"grouped-GEMM experts"),
+        (  # the legacy GroupedMLP is written as SequentialMLP (tests/test_foreign_moe_grouped.py); TE's is refused
+            {"ep": 2, "dp": 2},
+            {"moe_grouped_gemm": True, "transformer_impl": "transformer_engine"},
+            CheckpointError,
+            r"Transformer Engine grouped-GEMM experts.*TEGroupedMLP",
+        ),
         ({"ep": 2, "dp": 2}, {"expert_tensor_parallel_size": 2}, CheckpointError, r"expert tensor parallelism"),
         ({"ep": 2, "dp": 2}, {"num_experts": None}, CheckpointError, r"ep=2 asked for, but the model has no experts"),
     ],

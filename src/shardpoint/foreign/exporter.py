@@ -15,7 +15,9 @@ checkpoint imported from one (:func:`from_shardpoint`). The output is what
   :func:`shardpoint.foreign.megatron.buffer_layout`), independent of the DP size;
 * ``latest_checkpointed_iteration.txt``, written last.
 
-Mixture of experts (``SequentialMLP`` experts, :mod:`.megatron_moe`) is written at the
+Mixture of experts (``SequentialMLP`` experts, :mod:`.megatron_moe`; a source with the legacy
+``GroupedMLP`` experts of ``--moe-grouped-gemm`` is written as ``SequentialMLP``, its args'
+``moe_grouped_gemm`` set False) is written at the
 expert-parallel size ``ep`` asked for: with ep > 1 one folder per ep rank,
 ``mp_rank_TT[_PPP]_EEE``, each with the dense weights and the router's ``expert_bias``
 buffer, and its ``E / ep`` experts under local ids; the optimizer is then Megatron's
@@ -60,6 +62,7 @@ from shardpoint.foreign._unpickle import save_foreign
 from shardpoint.foreign.megatron import MODEL_FILE, OPTIM_FILE, buffer_layout
 from shardpoint.foreign.megatron_moe import (
     expert_id,
+    expert_module,
     is_buffer,
     is_expert,
     num_experts,
@@ -230,7 +233,7 @@ def _check_ep(ckpt: ForeignCheckpoint, dp: int, ep: int | None) -> int:
             f"{ckpt.path}: export of mixture-of-experts models (num_experts={experts}) needs the expert-parallel "
             "size to write: pass ep= (CLI: --ep N)"
         )
-    refuse_moe(ckpt.path, args, buckets=False)
+    refuse_moe(ckpt.path, args, buckets=False, grouped=True)  # GroupedMLP is written as SequentialMLP
     old_tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or old_tp)
     if etp != old_tp:
@@ -283,6 +286,14 @@ def _new_args(ckpt: ForeignCheckpoint, tp: int, pp: int, dp: int, distopt: bool)
     if getattr(args, "inprocess_active_world_size", None) == old_world:
         args.inprocess_active_world_size = tp * pp * dp
     args.use_distributed_optimizer = distopt
+    if expert_module(args) == "GroupedMLP":  # written as SequentialMLP experts: the args say so
+        log.warning(
+            "%s: the legacy GroupedMLP experts (--moe-grouped-gemm) are written as SequentialMLP experts "
+            "(local_experts.<i>.linear_fc1/linear_fc2, their buffer order); the written args have "
+            "moe_grouped_gemm False: continue training without --moe-grouped-gemm",
+            ckpt.path,
+        )
+        args.moe_grouped_gemm = False
     if hasattr(args, "ckpt_format"):
         args.ckpt_format = "torch"  # what is written here, whatever the source was (torch_dist)
     if hasattr(args, "use_dist_ckpt"):

@@ -61,12 +61,15 @@ import torch
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign.megatron_moe import (
     expert_id,
+    expert_module,
     expert_parallel,
     expert_tensor_parallel,
+    group_experts,
     is_expert,
     moe_rank,
     num_experts,
     refuse_moe,
+    ungroup_experts,
 )
 from shardpoint.foreign.structure import glu_from_tp, glu_to_tp, split_dim
 
@@ -216,7 +219,7 @@ def _refuse_unsupported(where: str, args: Any) -> None:
         raise CheckpointError(
             f"{where}: the distributed optimizer's bucket layout is not derived for {'; '.join(problems)}{_NO_HINT}"
         )
-    refuse_moe(where, args, buckets=True, hint=_NO_HINT)
+    refuse_moe(where, args, buckets=True, hint=_NO_HINT, grouped=True)
 
 
 def buffer_order(names: list[str], where: str) -> list[str]:
@@ -313,8 +316,15 @@ def _rank_moments(
     local: dict[str, torch.Tensor],
     buckets: dict[tuple[int, int, str, int], dict[str, torch.Tensor]],
     recorded: Any,
+    grouped: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Per local parameter of model-parallel group ``group``, its slices of ``param``/``exp_avg``/``exp_avg_sq``."""
+    """Per local parameter of model-parallel group ``group``, its slices of ``param``/``exp_avg``/``exp_avg_sq``.
+
+    ``grouped``: the experts are ``GroupedMLP``'s (:func:`~shardpoint.foreign.megatron_moe.group_experts`).
+    """
+    held: dict[str, list[str]] = {}
+    if grouped:
+        names, local, held = group_experts(names, local)
     gbufs = sorted({(g, dtype) for (j, g, dtype, _) in buckets if j == group})
     result: dict[str, dict[str, torch.Tensor]] = {}
     for gbuf, dtype in gbufs:
@@ -339,7 +349,7 @@ def _rank_moments(
     missing = [n for n in names if n not in result]
     if missing:
         raise CorruptCheckpointError(f"{where}: no grad buffer of dp_group_idx_{group} holds {missing[:3]}")
-    return result
+    return ungroup_experts(result, held)
 
 
 def _gbuf_buckets(label: str, buckets: Mapping[tuple, dict[str, torch.Tensor]], gbuf: tuple) -> list[dict]:
@@ -447,7 +457,8 @@ def _decode_dense(
         source = {n: params.get(n, params.get("embedding.word_embeddings.weight")) for n in stages[p]}
         local = {n: _local_piece(n, tensor, t, tp, swiglu, etp) for n, tensor in source.items()}
         recorded = extras.get(group, {}).get("per_bucket_numel_unpadded")
-        per_rank[(t, p)] = _rank_moments(where, group, stages[p], local, buckets, recorded)
+        grouped = expert_module(args) == "GroupedMLP"
+        per_rank[(t, p)] = _rank_moments(where, group, stages[p], local, buckets, recorded, grouped)
     moments = {}
     for p, names in enumerate(stages):
         for name in (n for n in names if n in params):
@@ -492,7 +503,8 @@ def _decode_experts(
         local = {n: _local_piece(n, experts[n], t, etp, swiglu, etp) for n in names}
         recorded = extras.get(j, {}).get("per_bucket_numel_unpadded")
         label = f"{where} (expert optimizer chained_1, ep rank {r}, pipeline stage {p}, expert tp rank {t})"
-        for name, entry in _rank_moments(label, j, names, local, buckets, recorded).items():
+        grouped = expert_module(args) == "GroupedMLP"
+        for name, entry in _rank_moments(label, j, names, local, buckets, recorded, grouped).items():
             pieces.setdefault(name, []).append(entry)
     moments = {
         name: {k: _merge(name, k, [pc[k] for pc in parts], swiglu, etp) for k in parts[0]}

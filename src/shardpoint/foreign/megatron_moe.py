@@ -29,8 +29,23 @@ The optimizer is the ``ChainedOptimizer`` of a dense and an expert optimizer
 state dicts and ``distrib_optim.pt`` the list of their two gathered buffers, the dense one
 ``None`` outside ep rank 0 (only dense data-parallel rank 0, which is ep rank 0, saves it).
 
-Refused, each named (:func:`refuse_moe`): grouped-GEMM experts
-(``--moe-grouped-gemm``: ``GroupedMLP`` / ``TEGroupedMLP`` hold other parameters), MoE
+Grouped-GEMM experts (``--moe-grouped-gemm``, :func:`expert_module`): the legacy
+``GroupedMLP`` (``--transformer-impl local``, or ``--moe-use-legacy-grouped-gemm``) holds
+per layer one ``weight1`` ``[hidden, E_local * 2F]`` and one ``weight2`` ``[E_local * F,
+hidden]``; its forward views them as ``[E_local, hidden, 2F]`` / ``[E_local, F, hidden]``,
+so local expert ``i``'s ``linear_fc1`` is ``weight1.view(E_local, hidden, 2F)[i].T``.
+Its ``sharded_state_dict`` writes exactly those transposes under SequentialMLP's
+``torch_dist`` keys (same names, shapes and values; only the DCP chunks differ), so the
+weights read as above. Its distributed-optimizer buckets are not SequentialMLP's: each
+layer's experts are the two params ``weight1``, ``weight2`` (in that registration order,
+where SequentialMLP's experts are), each flattened in its own memory order;
+:func:`group_experts` builds that view from the per-expert tensors and
+:func:`ungroup_experts` takes the moments back (checked bit-exact against Megatron's own
+``--moe-grouped-gemm`` checkpoint at ep=2, ``moe-torchdist-ep2-grouped-distopt``).
+
+Refused, each named (:func:`refuse_moe`): Transformer Engine's ``TEGroupedMLP`` (no
+checkpoint of it to derive its layout from), the legacy ``GroupedMLP`` in the legacy
+``torch`` format (``weight1``/``weight2`` under their own names), MoE
 layers mixed with dense ones (``--moe-layer-freq``), latent MoE; and for the optimizer's
 buckets, expert tensor parallelism other than tp at etp > 1 (whose split of the experts over
 the tensor-parallel ranks is not derived here). Derived, each checked against a checkpoint of
@@ -42,6 +57,7 @@ optimizer) and at ep=2, etp=1 at tp=2 (the experts whole on each tp rank), and e
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,8 +66,10 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = [
     "expert_id",
+    "expert_module",
     "expert_parallel",
     "expert_tensor_parallel",
+    "group_experts",
     "is_buffer",
     "is_expert",
     "moe_rank",
@@ -60,6 +78,7 @@ __all__ = [
     "regroup_for_ep",
     "split_experts",
     "to_local_expert",
+    "ungroup_experts",
 ]
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts\.)experts\.(linear_fc[12]\.(?:weight|bias))$")
@@ -69,6 +88,8 @@ _EXPERT_PARTS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "l
 _SHARED = (*(f"mlp.shared_experts.{p}" for p in _EXPERT_PARTS), "mlp.shared_experts.gate_weight")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _BUFFERS = ("mlp.router.expert_bias",)
+_GROUPABLE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_WEIGHTS = (("linear_fc1", "weight1"), ("linear_fc2", "weight2"))
 
 
 def num_experts(args: Any) -> int:
@@ -85,6 +106,69 @@ def expert_tensor_parallel(args: Any) -> int:
     """The expert tensor-parallel size the checkpoint was saved at (Megatron's default: tp)."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     return int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+
+
+def expert_module(args: Any) -> str:
+    """The experts megatron-core 0.16.1 builds from these args: ``SequentialMLP``, ``GroupedMLP`` or ``TEGroupedMLP``.
+
+    ``--moe-grouped-gemm`` gives the legacy ``GroupedMLP`` with the local spec
+    (``LocalSpecProvider.grouped_mlp_modules``) or with ``--moe-use-legacy-grouped-gemm``, and
+    ``TEGroupedMLP`` with the Transformer Engine spec (Megatron's default ``transformer_impl``).
+    """
+    if not num_experts(args) or not getattr(args, "moe_grouped_gemm", False):
+        return "SequentialMLP"
+    local = getattr(args, "transformer_impl", "transformer_engine") == "local"
+    return "GroupedMLP" if local or getattr(args, "moe_use_legacy_grouped_gemm", False) else "TEGroupedMLP"
+
+
+def group_experts(
+    names: list[str], local: dict[str, torch.Tensor]
+) -> tuple[list[str], dict[str, torch.Tensor], dict[str, list[str]]]:
+    """One rank's buffer params as ``GroupedMLP`` holds them, from the per-expert (SequentialMLP) tensors.
+
+    Each layer's routed experts ``...mlp.experts.local_experts.<g>.linear_fc{1,2}.weight`` (this
+    rank's pieces, in buffer order) become ``...mlp.experts.weight1`` and ``...weight2`` at the place of
+    the first of them: ``torch.stack([piece.T for each expert by id])``, i.e. ``[E_local, hidden, 2F_t]``
+    and ``[E_local, F_t, hidden]``, the memory of GroupedMLP's ``weight1`` ``[hidden, E_local*2F_t]``
+    and ``weight2`` ``[E_local*F_t, hidden]`` (its forward's ``view``s).
+
+    Returns:
+        The names in buffer order, their tensors, and per grouped name the expert names it holds.
+    """
+    out_names: list[str] = []
+    out_local = dict(local)
+    members: dict[str, list[str]] = {}
+    for name in names:
+        match = _GROUPABLE.match(name)
+        if match is None:
+            out_names.append(name)
+            continue
+        head = match.group(1)
+        if head + "weight1" in members:
+            continue
+        for part, grouped in _GROUPED_WEIGHTS:
+            held = sorted(
+                (n for n in names if (m := _GROUPABLE.match(n)) and m.group(1) == head and m.group(3) == part),
+                key=expert_id,
+            )
+            members[head + grouped] = held
+            out_local[head + grouped] = torch.stack([local[n].t() for n in held])
+            out_names.append(head + grouped)
+    for held in members.values():
+        for name in held:
+            out_local.pop(name)
+    return out_names, out_local, members
+
+
+def ungroup_experts(
+    moments: dict[str, dict[str, torch.Tensor]], members: Mapping[str, list[str]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Inverse of :func:`group_experts` on the decoded slices: each expert's own ``[out, in]`` tensors."""
+    for grouped, held in members.items():
+        entry = moments.pop(grouped)
+        for i, name in enumerate(held):
+            moments[name] = {k: v[i].t().contiguous() for k, v in entry.items()}
+    return moments
 
 
 def is_expert(name: str) -> bool:
@@ -175,18 +259,31 @@ def split_experts(pairs: list[tuple[str, torch.Tensor]], experts: int, where: st
     return result
 
 
-def refuse_moe(where: str, args: Any, *, buckets: bool, hint: str = "") -> None:
+def refuse_moe(where: str, args: Any, *, buckets: bool, hint: str = "", grouped: bool = False) -> None:
     """Raise naming the MoE features this reader does not decode; nothing for a dense model.
 
     Args:
         buckets: also refuse what the distributed optimizer's bucket layout is not derived for.
         hint: appended to the message (how to import less).
+        grouped: the caller reads the legacy ``GroupedMLP`` (``torch_dist``, where its weights are
+            SequentialMLP's, and its buckets; or the export, which writes SequentialMLP).
     """
     if not num_experts(args):
         return
     problems = []
-    if getattr(args, "moe_grouped_gemm", False) or getattr(args, "moe_use_legacy_grouped_gemm", False):
-        problems.append("grouped-GEMM experts (--moe-grouped-gemm: GroupedMLP / TEGroupedMLP parameters)")
+    module = expert_module(args)
+    if module == "TEGroupedMLP":
+        problems.append(
+            "Transformer Engine grouped-GEMM experts (--moe-grouped-gemm with transformer_impl "
+            f"{getattr(args, 'transformer_impl', 'transformer_engine')!r}: TEGroupedMLP, whose layout is not derived; "
+            "the legacy GroupedMLP of --transformer-impl local or --moe-use-legacy-grouped-gemm is read "
+            "from torch_dist)"
+        )
+    elif module == "GroupedMLP" and not grouped:
+        problems.append(
+            "grouped-GEMM experts in this format (--moe-grouped-gemm: GroupedMLP's weight1/weight2; "
+            "its torch_dist checkpoints are read)"
+        )
     freq = getattr(args, "moe_layer_freq", 1)
     if not (freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))):
         problems.append(f"MoE layers mixed with dense layers (--moe-layer-freq {freq!r})")

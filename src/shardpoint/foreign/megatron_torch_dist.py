@@ -127,7 +127,7 @@ def read_torch_dist(directory: str, optimizer: bool = True) -> ForeignCheckpoint
     """
     common = load_foreign(os.path.join(directory, "common.pt"))
     args = common.get("args")
-    refuse_moe(directory, args, buckets=False)
+    refuse_moe(directory, args, buckets=False, grouped=True)  # GroupedMLP: SequentialMLP's keys
     reader = _Reader(directory)
     metadata = reader.read_metadata()
     state: dict[str, Any] = {}
