@@ -22,6 +22,7 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign import import_checkpoint, read_foreign
 from shardpoint.foreign._unpickle import load_foreign
 from shardpoint.foreign.exporter import export_megatron, from_shardpoint
+from shardpoint.foreign.megatron_distopt import sharding_type
 from shardpoint.foreign.megatron_moe import expert_module
 from tests.test_foreign_import import MOMENTS, assert_equal, params_of
 from tests.test_foreign_moe import EP2, LOCAL, MOE, STEP_DIR, _check, _load, copy_ckpt, truth, with_args
@@ -153,3 +154,12 @@ def test_te_grouped_experts_are_refused_by_name(tmp_path):
     for optimizer in (True, False):
         with pytest.raises(CheckpointError, match=r"TEGroupedMLP, whose layout is not derived"):
             read_foreign(root, optimizer=optimizer)
+
+
+def test_groupedmlp_with_the_optimizer_in_model_space_is_refused_by_name():
+    args = load_foreign(MOE / GROUPED / "ckpt" / STEP_DIR / "common.pt")["args"]
+    args.expert_model_parallel_size = 1  # one optimizer (no chained_ prefix), in model space
+    common = {"content_metadata": {"distrib_optim_sharding_type": "fully_reshardable"}}
+    keys = ["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    with pytest.raises(CheckpointError, match=r"GroupedMLP.*fully_reshardable.*--no-optimizer"):
+        sharding_type("ckpt", common, args, keys)

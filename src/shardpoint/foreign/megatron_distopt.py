@@ -174,6 +174,11 @@ def sharding_type(where: str, common: Mapping[str, Any], args: Any, keys: list[s
             f"{where}: the distributed optimizer's state is stored as {declared!r}; only {' and '.join(LAYOUTS)} "
             f"are decoded (resave with one of them){_NO_HINT}"
         )
+    if declared == "fully_reshardable" and expert_module(args) == "GroupedMLP":
+        raise CheckpointError(
+            f"{where}: the legacy GroupedMLP experts (--moe-grouped-gemm) with the optimizer in model space "
+            f"(fully_reshardable) are not decoded: no checkpoint of it to check its layout against{_NO_HINT}"
+        )
     expected = _BUCKET if declared == "dp_reshardable" else MODEL_SPACE
     strays = [k for k in found if not expected.match(k) and not _OBJECT.match(k)]
     if strays:
