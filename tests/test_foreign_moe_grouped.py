@@ -108,14 +108,34 @@ def test_the_import_loads_at_ep1_in_one_process(tmp_path):
     _check(_load(0, 1, str(tmp_path / "run"), 1, {n: t[n].shape for n in params_of(t)}), t, params_of(t))
 
 
+def _same(a, b) -> bool:
+    """Equal, recursively: tensors bit for bit, namespaces by their attributes."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return type(a) is type(b) and _same(vars(a), vars(b))
+    return a == b
+
+
 def test_the_export_writes_sequentialmlp_experts(tmp_path):
-    import_checkpoint(MOE / GROUPED / "ckpt", tmp_path / "run")
-    export_megatron(from_shardpoint(str(tmp_path / "run")), tmp_path / "out", tp=1, pp=1, dp=1, ep=1)
-    state = load_foreign(tmp_path / "out" / STEP_DIR / "mp_rank_00" / "model_optim_rng.pt")
+    """The export of the GroupedMLP import is file for file the export of the SequentialMLP import (args too)."""
+    for fixture in (GROUPED, EP2):
+        import_checkpoint(MOE / fixture / "ckpt", tmp_path / fixture / "run")
+        src = from_shardpoint(str(tmp_path / fixture / "run"))
+        export_megatron(src, tmp_path / fixture / "out", tp=1, pp=1, dp=2, ep=2, distributed_optimizer=True)
+    state = load_foreign(tmp_path / GROUPED / "out" / STEP_DIR / "mp_rank_00_001" / "model_optim_rng.pt")
     assert state["args"].moe_grouped_gemm is False  # the written args say SequentialMLP
-    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in state["model"]
+    assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight" in state["model"]
     assert not any(k.endswith(("weight1", "weight2")) for k in state["model"])
-    back = read_foreign(tmp_path / "out")
+    for folder in ("mp_rank_00_000", "mp_rank_00_001"):
+        for name in ("model_optim_rng.pt", "distrib_optim.pt"):
+            a, b = (load_foreign(tmp_path / f / "out" / STEP_DIR / folder / name) for f in (GROUPED, EP2))
+            assert _same(a, b), (folder, name)
+    back = read_foreign(tmp_path / GROUPED / "out")
     t = truth(GROUPED)
     for name in params_of(t):
         assert_equal(name, back.params[name], t[name])
