@@ -110,3 +110,21 @@ def test_the_lora_preset_stores_the_frozen_base_once_and_reports_both_rows(tmp_p
     assert full["bytes per save"]["once"] == full["bytes per save"]["full"]  # nothing frozen: nothing referred to
     assert report["time ratio"] > 0 and report["full fine-tune ratio"] > 0
     assert not any((tmp_path / "disk").iterdir())
+
+
+def test_a_bench_run_removes_what_killed_runs_left_and_nothing_else(tmp_path):
+    """A killed bench leaves checkpoints behind (in /dev/shm: memory); the next run removes them, not live ones."""
+    import os
+
+    from shardpoint.commands.bench_dirs import run_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / f"run-{gone.pid}" / "iter_0000001").mkdir(parents=True)
+    (tmp_path / f"run-{os.getppid()}").mkdir()  # a run still going (this test's parent process)
+    (tmp_path / "run-notes").mkdir()  # not a run's folder
+    path = run_dir(str(tmp_path), "run")
+    assert path == str(tmp_path / f"run-{os.getpid()}") and os.path.isdir(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"run-{os.getppid()}", "run-notes", f"run-{os.getpid()}"]
+    )

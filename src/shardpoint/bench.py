@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardpoint.commands import bench_dirs
 from shardpoint.commands.bench_states import (
     SHAPE_PRESETS,
     is_expert_key,
@@ -455,8 +456,7 @@ def run_bench(config: BenchConfig) -> int:
     reports = []
     for directory in config.dirs:
         storage = open_storage(directory)
-        root = storage.join(storage.root, f"run-{os.getpid()}")
-        storage.makedirs(root)
+        root = bench_dirs.run_root(storage)
         try:
             if not config.quiet:
                 _say(

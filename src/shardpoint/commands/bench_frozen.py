@@ -23,11 +23,12 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from typing import Any
 
 import torch
+
+from shardpoint.commands import bench_dirs
 
 __all__ = ["report"]
 
@@ -121,7 +122,7 @@ def _hash_rate(size: int) -> float:
 
 def measure(directory: str, size: int, repeat: int) -> dict[str, Any]:
     """Every row for one directory."""
-    root = tempfile.mkdtemp(prefix="shardpoint-bench-frozen-", dir=directory)
+    root = bench_dirs.run_dir(directory, "shardpoint-bench-frozen")
     try:
         lora = _saves(os.path.join(root, "lora"), size, repeat, frozen=True)
         full = _saves(os.path.join(root, "fft"), size, repeat, frozen=False)
