@@ -271,3 +271,19 @@ def test_a_parameter_no_optimizer_group_holds_is_stored_once_too(tmp_path, edit)
     sp.Checkpointer(str(root)).load(sp.TrainState(model=fresh), iteration=2)
     for key, tensor in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], tensor), key
+
+
+def test_which_parameters_are_candidates_follows_what_the_optimizer_holds():
+    """In no group of an optimizer over the model's own parameters: a candidate. An optimizer over master
+    copies (fp32 copies of the weights beside a norm held directly) makes nothing a candidate: the model's
+    weights change although the optimizer does not hold them."""
+    from shardpoint.state.train_state import collect
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    head_only = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    assert collect(sp.TrainState(model, head_only), iteration=1).frozen == {"model.0.weight", "model.0.bias"}
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in model[0].parameters()]
+    over_masters = torch.optim.SGD([*masters, *model[1].parameters()], lr=0.1)
+    assert collect(sp.TrainState(model, over_masters), iteration=1).frozen == set()
+    model[0].requires_grad_(False)  # marked frozen: a candidate whatever the optimizer holds
+    assert collect(sp.TrainState(model, over_masters), iteration=1).frozen == {"model.0.weight", "model.0.bias"}

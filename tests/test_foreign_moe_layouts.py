@@ -104,3 +104,14 @@ def test_layouts_not_derived_or_not_matching_are_named(tmp_path, fixture, change
     root = with_args(copy_ckpt(tmp_path, fixture), **changes)
     with pytest.raises(CheckpointError, match=message):
         read_foreign(root)
+
+
+def test_tied_embeddings_at_pp2_ep2_leave_the_expert_groups_alone(tmp_path):
+    """Tied embeddings (Megatron's default) put an output copy on the last stage's list of parameters;
+    the expert optimizer's groups must not take it for an expert (it raised a bare ValueError)."""
+    root = with_args(copy_ckpt(tmp_path, PP2), untie_embeddings_and_output_weights=False)
+    ckpt = read_foreign(root)
+    t = truth(PP2)
+    for name in (n for n in params_of(t) if LOCAL.search(n)):
+        for moment in MOMENTS:
+            assert_equal(f"{name}.{moment}", ckpt.optimizer[name].get(moment), t[f"{name}.{moment}"])

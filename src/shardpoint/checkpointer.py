@@ -97,7 +97,8 @@ class Checkpointer:
             over shardpoint's gloo group in the background (no shared filesystem).
         round_timeout: seconds each collective round waits for every rank before raising
             ``CheckpointTimeoutError`` naming the missing ones (see :mod:`shardpoint.parallel.deadline`).
-        dedup: store a frozen parameter (``requires_grad=False``) once: a save whose frozen
+        dedup: store a parameter that is not trained (``requires_grad=False``, or in no group of
+            a ``torch.optim`` optimizer over the model's parameters) once: a save whose frozen
             tensors are unchanged since this process's last committed save refers to their
             stored bytes instead of writing them again (local ``dist`` saves; see
             :mod:`shardpoint.formats.dedup`). False writes every tensor at every save.

@@ -504,7 +504,8 @@ def _decode_experts(
     pieces: dict[str, list[dict[str, torch.Tensor]]] = {}
     for j in groups:
         t, r, p = j % etp, (j // etp) % ep, j // (etp * ep)
-        names = [n for n in stages[p] if expert_id(n) // per_rank == r]
+        # a stage's list may end with the tied output copy (pp > 1, Megatron's default): not an expert
+        names = [n for n in stages[p] if n in experts and expert_id(n) // per_rank == r]
         local = {n: _local_piece(n, experts[n], t, etp, swiglu, etp) for n in names}
         recorded = extras.get(j, {}).get("per_bucket_numel_unpadded")
         label = f"{where} (expert optimizer chained_1, ep rank {r}, pipeline stage {p}, expert tp rank {t})"

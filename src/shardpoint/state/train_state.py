@@ -91,8 +91,8 @@ class FlatState:
             it at its saved size and hand it to the model's ``load_state_dict``
             (:mod:`shardpoint.state.resizing`).
         resized: what a load read that way: key -> (the model's shape, the loaded tensor).
-        frozen: model keys of parameters with ``requires_grad=False``, the tensors a save may
-            store once for several checkpoints (:mod:`shardpoint.formats.dedup`).
+        frozen: model keys of parameters that are not trained (:func:`frozen_keys`), the
+            tensors a save may store once for several checkpoints (:mod:`shardpoint.formats.dedup`).
     """
 
     tensors: dict[str, Shard]
@@ -161,21 +161,36 @@ def frozen_keys(
     """The model keys whose tensor is (the local part of) a parameter that is not trained.
 
     Not trained: ``requires_grad=False``, or, when ``optimizer`` holds the model's own
-    parameters (a ``torch.optim`` optimizer, not a distributed one over master copies), a
-    parameter in none of its groups: an optimizer built over the adapters only leaves the
+    parameters and nothing else (:func:`_holds_model_parameters`), a parameter in none of
+    its groups: an optimizer built over the adapters only leaves the
     base unchanged even where nobody set ``requires_grad=False``. These are only
     candidates: the save hashes each and stores it once only while its bytes stay equal
     (:mod:`shardpoint.formats.dedup`), so a parameter changed by other means is written.
     """
     params = [p for p in model.parameters() if _local(p).numel()]
     untrained = [p for p in params if not p.requires_grad]
-    optimized = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())}
-    if any(id(p) in optimized for p in params):
+    if _holds_model_parameters(optimizer, {id(p) for p in model.parameters()}):
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         untrained += [p for p in params if p.requires_grad and id(p) not in optimized]
     frozen = {_local(p).data_ptr() for p in untrained}
     if not frozen:
         return set()
     return {k for k, s in tensors.items() if k.startswith(MODEL_PREFIX) and s.tensor.data_ptr() in frozen}
+
+
+def _holds_model_parameters(optimizer: Any, model_ids: set[int]) -> bool:
+    """Whether ``optimizer`` trains the model's own parameters, and only those.
+
+    Not a distributed optimizer (it places its own state), nor one over master copies
+    (fp32 copies of bf16 weights: the weights it updates are not the model's tensors).
+    """
+    if optimizer is None or hasattr(optimizer, "sharded_state_dict"):
+        return False
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        return False
+    held = {id(p) for group in groups for p in group["params"]}
+    return bool(held) and held <= model_ids
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
