@@ -216,9 +216,14 @@ def test_the_sigmoid_shared_expert_fixtures_are_refused_naming_each_feature(fixt
     ],
 )
 def test_what_mixtral_cannot_compute_is_refused_by_name(change, expected, tmp_path):
-    ckpt = read_foreign(MIXTRAL / "ckpt", optimizer=False)
+    assert_export_refused(MIXTRAL, change, r"not Mixtral-like \(MixtralForCausalLM\): .*" + expected, tmp_path)
+
+
+def assert_export_refused(fixture: Path, change: dict, message: str, tmp_path: Path) -> None:
+    """``export --to hf`` of ``fixture`` with its args changed raises ``message`` and writes nothing."""
+    ckpt = read_foreign(fixture / "ckpt", optimizer=False)
     ckpt.args.update(change)
-    with pytest.raises(CheckpointError, match=r"not Mixtral-like \(MixtralForCausalLM\): .*" + expected):
+    with pytest.raises(CheckpointError, match=message):
         export_hf(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -26,6 +26,7 @@ from shardpoint.foreign.megatron_distopt import sharding_type
 from shardpoint.foreign.megatron_moe import expert_module
 from tests.test_foreign_import import MOMENTS, assert_equal, params_of
 from tests.test_foreign_moe import EP2, LOCAL, MOE, STEP_DIR, _check, _load, copy_ckpt, truth, with_args
+from tests.test_foreign_moe_export import assert_truth
 
 GROUPED = "moe-torchdist-ep2-grouped-distopt"
 EXPERT_BUCKET = (
@@ -85,14 +86,7 @@ def test_reader_gives_every_weight_buffer_and_moment_of_the_truth():
     names = params_of(t)
     assert list(ckpt.params) == names and len(ckpt.buffers) == 2
     assert ckpt.ep == 2 and ckpt.extra["optimizer_layout"] == "dp_reshardable"
-    for name in names:
-        assert_equal(name, ckpt.params[name], t[name])
-        if name in ckpt.buffers:
-            assert ckpt.optimizer[name] == {}
-            continue
-        for moment in MOMENTS:
-            assert_equal(f"{name}.{moment}", ckpt.optimizer[name].get(moment), t[f"{name}.{moment}"])
-        assert int(ckpt.optimizer[name]["step"]) == 2
+    assert_truth(ckpt, t)  # every weight, buffer, moment and step
     experts = [n for n in names if LOCAL.search(n)]
     groups = [(g.get("is_expert_parallel"), g["wd_mult"], g["param_names"]) for g in ckpt.param_groups]
     assert [g[:2] for g in groups] == [(False, 1.0), (False, 0.0), (True, 1.0)] and groups[2][2] == experts

@@ -30,6 +30,7 @@ from shardpoint.foreign._unpickle import load_foreign
 from tests.distributed import launch
 from tests.test_foreign_import import MOMENTS, assert_equal, params_of
 from tests.test_foreign_moe import EP2, LOCAL, MOE, STEP_DIR, _check, _held, _load, copy_ckpt, truth, with_args
+from tests.test_foreign_moe_export import assert_truth
 
 TP2, PP2 = "moe-torchdist-tp2-etp2-distopt", "moe-torchdist-pp2-ep2-distopt"
 TP2EP2, ETP1 = "moe-torchdist-tp2-etp2-ep2-distopt", "moe-torchdist-tp2-etp1-distopt"
@@ -60,14 +61,7 @@ def test_reader_gives_every_weight_and_moment_of_the_truth(fixture):
     names = params_of(t)
     assert list(ckpt.params) == names and len(ckpt.buffers) == 2
     assert ckpt.extra["optimizer_layout"] == "dp_reshardable"
-    for name in names:
-        assert_equal(name, ckpt.params[name], t[name])
-        if name in ckpt.buffers:
-            assert ckpt.optimizer[name] == {}
-            continue
-        for moment in MOMENTS:
-            assert_equal(f"{name}.{moment}", ckpt.optimizer[name].get(moment), t[f"{name}.{moment}"])
-        assert int(ckpt.optimizer[name]["step"]) == 2
+    assert_truth(ckpt, t)  # every weight, buffer, moment and step
     experts = [n for n in names if LOCAL.search(n)]
     grouped = {n: g.get("is_expert_parallel") for g in ckpt.param_groups for n in g["param_names"]}
     assert sorted(grouped) == sorted(n for n in names if n not in ckpt.buffers)

@@ -426,13 +426,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.frozen_base or args.shapes == "lora":
         from shardpoint.commands import bench_frozen
 
-        return bench_frozen.report(args.size, max(args.repeat, 4), args.dirs or _default_dirs(), args.json, args.quiet)
+        return bench_frozen.report(
+            args.size, max(args.repeat, 4), args.dirs or bench_dirs.default_dirs(), args.json, args.quiet
+        )
     return run_bench(
         BenchConfig(
             args.size,
             args.ranks,
             args.repeat,
-            args.dirs or _default_dirs(),
+            args.dirs or bench_dirs.default_dirs(),
             args.json,
             args.quiet,
             args.shapes,
@@ -440,13 +442,6 @@ def _run(args: argparse.Namespace) -> int:
             args.warmup,
         )
     )
-
-
-def _default_dirs() -> list[str]:
-    dirs = [os.path.join(os.getcwd(), ".shardpoint-bench")]
-    if os.path.isdir("/dev/shm"):
-        dirs.insert(0, "/dev/shm/shardpoint-bench")
-    return dirs
 
 
 def run_bench(config: BenchConfig) -> int:

@@ -16,9 +16,17 @@ import shutil
 
 from shardpoint.storage.base import LocalStorage, Storage
 
-__all__ = ["run_dir", "run_root"]
+__all__ = ["default_dirs", "run_dir", "run_root"]
 
 log = logging.getLogger(__name__)
+
+
+def default_dirs() -> list[str]:
+    """Where the bench writes without ``--dir``: ``/dev/shm`` (memory) where it exists, and the current folder."""
+    dirs = [os.path.join(os.getcwd(), ".shardpoint-bench")]
+    if os.path.isdir("/dev/shm"):
+        dirs.insert(0, "/dev/shm/shardpoint-bench")
+    return dirs
 
 
 def run_dir(directory: str, kind: str) -> str:
