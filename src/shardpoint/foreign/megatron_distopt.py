@@ -457,12 +457,12 @@ def _decode_dense(
         )
     stages = _stage_names(params, args, pp, where)
     per_rank = {}
+    grouped = expert_module(args) == "GroupedMLP"
     for group in groups:
         t, p = group % tp, group // tp
         source = {n: params.get(n, params.get("embedding.word_embeddings.weight")) for n in stages[p]}
         local = {n: _local_piece(n, tensor, t, tp, swiglu, etp) for n, tensor in source.items()}
         recorded = extras.get(group, {}).get("per_bucket_numel_unpadded")
-        grouped = expert_module(args) == "GroupedMLP"
         per_rank[(t, p)] = _rank_moments(where, group, stages[p], local, buckets, recorded, grouped)
     moments = {}
     for p, names in enumerate(stages):
@@ -502,6 +502,7 @@ def _decode_experts(
     per_rank = total // ep
     stages = _stage_names(experts, args, pp, where)
     pieces: dict[str, list[dict[str, torch.Tensor]]] = {}
+    grouped = expert_module(args) == "GroupedMLP"
     for j in groups:
         t, r, p = j % etp, (j // etp) % ep, j // (etp * ep)
         # a stage's list may end with the tied output copy (pp > 1, Megatron's default): not an expert
@@ -509,7 +510,6 @@ def _decode_experts(
         local = {n: _local_piece(n, experts[n], t, etp, swiglu, etp) for n in names}
         recorded = extras.get(j, {}).get("per_bucket_numel_unpadded")
         label = f"{where} (expert optimizer chained_1, ep rank {r}, pipeline stage {p}, expert tp rank {t})"
-        grouped = expert_module(args) == "GroupedMLP"
         for name, entry in _rank_moments(label, j, names, local, buckets, recorded, grouped).items():
             pieces.setdefault(name, []).append(entry)
     moments = {
