@@ -19,10 +19,11 @@ from tests import toy
 from tests.distributed import launch
 
 # documented in the README: a save of an unchanged structure (start round + the commit's two, one call
-# each when its objects fit their frames, see parallel/comm.py); a load (find, plan with the file checks,
-# outcome, and one agreement more when replicas split their reads, as in this toy state of dp replicas)
+# each when its objects fit their frames, see parallel/comm.py); a load (find, .metadata's outline, the plan
+# with the file checks: gathered to rank 0 and each rank's part scattered, outcome, and one agreement more
+# when replicas split their reads, as in this toy state of dp replicas)
 SAVE_CALLS = 4
-LOAD_CALLS = 5
+LOAD_CALLS = 6
 
 CALLS: collections.Counter = collections.Counter()
 
@@ -192,10 +193,11 @@ def _load_calls_with_many_tensors(rank: int, world: int, root: str, count: int):
 
 
 def test_the_load_plan_round_stays_one_call_with_hundreds_of_tensors(tmp_path):
-    """Every rank receives every rank's plan message: keys as bits and needs as positions keep it in one frame.
+    """The plan round is a gather to rank 0 and a scatter of each rank's part, however many tensors.
 
-    With names (about 100 bytes per item) 200 tensors overflow the 2 KiB frame and the
-    round takes a second collective; as sent it is about 5 bytes per item.
+    At 200 tensors a rank's boxes and its part outgrow the 2 KiB frame; they follow
+    point to point between that rank and rank 0, not as a second collective every rank
+    joins (and no rank receives another rank's message).
     """
     small = launch(_load_calls_with_many_tensors, 4, str(tmp_path / "small"), 4)
     many = launch(_load_calls_with_many_tensors, 4, str(tmp_path / "many"), 200)

@@ -139,3 +139,65 @@ def test_a_damaged_metadata_is_refused_on_every_rank(tmp_path, request, where):
     results = launch(_save_then_count_load, 2, root, True, env=env)
     assert {r["error"] for r in results} == {"CorruptCheckpointError"}, results
     assert all(".metadata" in r["message"] and "checksum" in r["message"] for r in results), results
+
+
+def _count_metadata_received(rank: int, world: int, root: str, params: int):
+    """Save an FSDP-like model (every tensor in ``world`` rows), then load it, weighing what each rank receives.
+
+    Every object a non-zero rank receives in the load's two rounds that carry ``.metadata``
+    (its outline, then its part of the plan) is weighed as pickled.
+    """
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardpoint.parallel import comm
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+
+    def model() -> torch.nn.Module:
+        module = torch.nn.Module()
+        for i in range(params):
+            full = torch.randn(world * 4, 8, generator=torch.Generator().manual_seed(i))
+            module.register_parameter(f"w{i}", torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+        return module
+
+    saved = model()
+    sp.Checkpointer(root, topology=sp.Topology.from_mesh(mesh)).save(1, sp.TrainState(saved))
+    received = {"bytes": 0, "chunks": None}
+    broadcast, scatter = comm.broadcast, comm.scatter_from
+
+    def weighed_broadcast(obj, *args, what="a collective round", **kwargs):
+        out = broadcast(obj, *args, what=what, **kwargs)
+        if what == "reading .metadata" and rank != 0:
+            received["bytes"] += len(pickle.dumps(out))
+        return out
+
+    def weighed_scatter(parts, *args, what="a collective round", **kwargs):
+        out = scatter(parts, *args, what=what, **kwargs)
+        if what == "preparing the load":
+            received["chunks"] = len(out[1].positions)
+            received["bytes"] += len(pickle.dumps(out)) if rank != 0 else 0
+        return out
+
+    comm.broadcast, comm.scatter_from = weighed_broadcast, weighed_scatter
+    fresh = model()
+    for p in fresh.parameters():
+        p.data.to_local().zero_()
+    sp.Checkpointer(root, topology=sp.Topology.from_mesh(mesh)).load(sp.TrainState(fresh))
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(saved.parameters(), fresh.parameters()))
+    return {**received, "same": same}
+
+
+def test_each_rank_receives_its_own_chunks_not_the_whole_metadata(tmp_path):
+    """16 ranks × 40 tensors in 16 rows: ``.metadata`` lists 640 chunks; each rank receives its 40 and the outline.
+
+    Before, every rank received the whole file (1.0× its size); the bound here is a tenth.
+    """
+    root = str(tmp_path / "run")
+    results = launch(_count_metadata_received, RANKS, root, 40, backend="gloo")  # a DeviceMesh needs plain gloo
+    size = _metadata_size(root)
+    assert all(r["same"] for r in results)
+    assert {r["chunks"] for r in results} == {40}
+    assert all(0 < r["bytes"] < 0.1 * size for r in results[1:]), ([r["bytes"] for r in results], size)

@@ -16,6 +16,11 @@ part, measured in the same run:
   size of the ``.metadata`` written;
 - **a replayed save** (:mod:`shardpoint.formats.dist_replay`): N "unchanged" flags
   compared; the cached ``.metadata`` stream is written as it is.
+
+And rank 0's part of a load of that checkpoint at the same N ranks
+(:func:`simulate_load`, :mod:`shardpoint.formats.load_parts`): from the N ranks' boxes,
+every rank's part of the plan, and what each rank receives (the outline and its part)
+against the whole ``.metadata`` that every rank received before.
 """
 
 from __future__ import annotations
@@ -28,17 +33,63 @@ from typing import Any
 
 import torch
 
-__all__ = ["simulate_planning"]
+__all__ = ["simulate_load", "simulate_planning"]
 
 _ROWS, _COLUMNS = 64, 1024
 
 
-def simulate_planning(counts: list[int], params: int = 300) -> list[dict[str, Any]]:
-    """One row per rank count: DCP's first save, shardpoint's, and a replayed one, on rank 0."""
-    return [_one(world, params) for world in counts]
+def simulate_planning(counts: list[int], params: int = 300) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows per rank count: DCP's first save, shardpoint's and a replayed one; then a load of what was saved."""
+    saves, loads = [], []
+    for world in counts:
+        row, metadata = _one(world, params)
+        saves.append(row)
+        loads.append(simulate_load(metadata, world, params))
+        del metadata
+        gc.collect()
+    return saves, loads
 
 
-def _one(world: int, params: int) -> dict[str, Any]:
+def simulate_load(stream: bytes, world: int, params: int) -> dict[str, Any]:
+    """Rank 0's part of a load's plan at ``world`` ranks, of the ``.metadata`` ``stream`` saved at the same ranks."""
+    import numpy as np
+
+    from shardpoint.formats import load_parts
+    from shardpoint.formats.base import wanted_summary
+    from shardpoint.formats.dcp_metadata import outline_of
+
+    metadata = pickle.loads(stream)
+    outline = outline_of(metadata)
+    saved = sorted(outline.state_dict_metadata)
+    keys = wanted_summary(saved, saved)
+    ids = np.arange(len(saved), dtype=np.int32)
+    requests = []
+    for rank in range(world):  # each rank's boxes: its own rows of every parameter, as it saved them
+        boxes = np.zeros((len(saved), 2, load_parts.width(outline)), np.int64)
+        boxes[:, 0, 0], boxes[:, 1] = rank * _ROWS, (_ROWS, _COLUMNS)
+        usable = np.ones(len(saved), np.bool_)
+        requests.append(load_parts.Request(keys, ids.tobytes(), usable.tobytes(), boxes.tobytes(), ("cuda",)))
+    gathered = sum(len(pickle.dumps(request)) for request in requests)
+    start = time.perf_counter()
+    parts = load_parts.plan(metadata, requests, True, 1 << 30, "simulated")
+    seconds = time.perf_counter() - start
+    received = len(pickle.dumps(outline)) + max(len(pickle.dumps(part)) for part in parts)
+    start = time.perf_counter()
+    parts[-1].metadata(outline, saved)
+    rebuild = time.perf_counter() - start
+    return {
+        "ranks": world,
+        "load: rank-0 plan s": seconds,
+        "gathered MB": gathered / 1e6,
+        "received per rank KB": received / 1e3,
+        "before: received per rank KB (.metadata)": len(stream) / 1e3,
+        "received ratio": received / len(stream),
+        "per-rank rebuild ms": rebuild * 1e3,
+        "chunks per rank": len(parts[-1].positions),
+    }
+
+
+def _one(world: int, params: int) -> tuple[dict[str, Any], bytes]:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from shardpoint.formats.dist_replay import fingerprint
@@ -67,7 +118,7 @@ def _one(world: int, params: int) -> dict[str, Any]:
     flags = [digest == digest] * world  # rank 0 checks every rank's "unchanged" flag
     replayed_seconds = time.perf_counter() - start
     assert all(flags)
-    return {
+    row = {
         "ranks": world,
         "first save: rank-0 planning s": sp_seconds,
         "DCP first save: rank-0 planning s": dcp_seconds,
@@ -81,6 +132,7 @@ def _one(world: int, params: int) -> dict[str, Any]:
         "peak / .metadata": (records_bytes + peak) / metadata_bytes,
         "replayed save: rank-0 planning s": replayed_seconds,
     }
+    return row, b"".join(chunks)
 
 
 def _local_plan(rank: int, world: int, params: int) -> Any:

@@ -25,7 +25,6 @@ import collections
 import functools
 import json
 import os
-import pickle
 import socket
 import statistics
 import tempfile
@@ -45,7 +44,6 @@ __all__ = [
     "coordination",
     "count_collectives",
     "report",
-    "simulate_load_planning",
 ]
 
 PARAMS_PER_RANK = 10
@@ -89,48 +87,6 @@ def bytes_read_per_stored_byte(directory: str) -> dict[str, float]:
     return found
 
 
-def simulate_load_planning(counts: list[int], params: int = 300, tp: int = 8) -> list[dict[str, float]]:
-    """One rank's part of a load's plan round at N simulated ranks (tp=8, dp=N/8, 300 chunks per rank)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-
-    from shardpoint.formats import read_plan
-    from shardpoint.formats.base import wanted_summary
-
-    chunk = 64 * 1024 * 4
-    names = [f"model.layers.{p}.self_attention.linear_qkv.weight" for p in range(params)]
-    storage = {
-        MetadataIndex(name, torch.Size([t * 64, 0])): _StorageInfo(f"__{t}_0.distcp", p * chunk, chunk)
-        for p, name in enumerate(names)
-        for t in range(tp)
-    }
-    metadata = Metadata({}, storage_data=storage)
-    position = read_plan.storage_positions(metadata)
-    by_tp = [{position[MetadataIndex(n, torch.Size([t * 64, 0]))]: (chunk, True) for n in names} for t in range(tp)]
-    keys = wanted_summary(names, sorted(names))
-    rows = []
-    for world in counts:
-        sent = [pickle.dumps((keys, read_plan.pack(by_tp[r % tp]), ("cuda",))) for r in range(world)]
-        start = time.perf_counter()  # what every rank does with what it received, as the Exchange does
-        order = list(read_plan.storage_positions(metadata))
-        needs = read_plan.Needs.from_packed([pickle.loads(m)[1] for m in sent], metadata, order)
-        files = [storage[index].relative_path for index in order]
-        readers = read_plan.plan_reads(needs, files)
-        read_plan.plan_sharing(needs, files, dict.fromkeys(needs.items().tolist(), chunk), 1 << 30, readers)
-        planning = time.perf_counter() - start
-        as_names = pickle.dumps((sorted(names), {order[at]: need for at, need in by_tp[0].items()}, ("cuda",)))
-        rows.append(
-            {
-                "ranks": world,
-                "plan message B (as names)": f"{len(sent[0])} ({len(as_names)})",
-                "received per rank MB (as names)": f"{world * len(sent[0]) / 1e6:.1f} "
-                f"({world * len(as_names) / 1e6:.1f})",
-                "shared-read planning s (every rank)": planning,
-            }
-        )
-    return rows
-
-
 def report(scale: list[int], simulate: list[int], repeat: int, as_json: bool, quiet: bool) -> int:
     """Run what was asked and print it: tables, or one JSON object."""
     from rich.console import Console
@@ -147,8 +103,7 @@ def report(scale: list[int], simulate: list[int], repeat: int, as_json: bool, qu
             found["bytes read per stored byte"] = bytes_read_per_stored_byte(tmp)
     if simulate:
         console.print(f"simulated planning at {simulate} ranks...")
-        found["planning"] = planning_sim.simulate_planning(simulate)
-        found["load planning"] = simulate_load_planning(simulate)
+        found["planning"], found["load planning"] = planning_sim.simulate_planning(simulate)
     if as_json:
         print(json.dumps(found, indent=2))
         return 0
@@ -180,7 +135,7 @@ def report(scale: list[int], simulate: list[int], repeat: int, as_json: bool, qu
         out.print("bytes read per stored byte at load: " + ", ".join(f"{k} {v:.2f}" for k, v in reads.items()))
     if "planning" in found:
         _print_rows(out, found["planning"], "rank-0 planning of one save, simulated (300 tensors per rank)")
-        title = "every rank's part of a load's plan round, simulated (tp=8, 300 chunks per rank)"
+        title = "a load of that checkpoint at the same ranks, simulated: rank 0 plans, each rank gets its part"
         _print_rows(out, found["load planning"], title)
     return 0
 

@@ -4,10 +4,11 @@ Every rank of a load needs the checkpoint's DCP metadata to plan its reads. Read
 every rank, it is the one file whose reads grow with the job twice over: it grows with
 the ranks that saved (one chunk record per shard) and is read by every rank that loads,
 204 MB × 4096 ranks, 835 GB from shared storage for one load. Here rank 0 reads it,
-checks its size and checksum while it holds the bytes, and broadcasts them over the
-control group (:func:`share_metadata`); each rank unpickles them with the restricted
-unpickler as if it had read the file. :data:`metadata_reads` counts what this process
-read, so a test can sum it over ranks.
+checks its size and checksum while it holds the bytes, and broadcasts its outline (the
+tensors, not their chunks) over the control group (:func:`share_outline`); each rank
+unpickles that with the restricted unpickler as if it had read the file, and later
+receives from rank 0 only the chunks its own targets need (:mod:`shardpoint.formats.load_parts`).
+:data:`metadata_reads` counts what this process read, so a test can sum it over ranks.
 
 :class:`SafeMetadata` is the mixin that gives DCP's readers this ``read_metadata``;
 plain ``dcp.load`` with those readers works as before (each reader reads the file itself).
@@ -15,18 +16,20 @@ plain ``dcp.load`` with those readers works as before (each reader reads the fil
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from shardpoint.parallel import comm
 from shardpoint.storage.safe_io import load_dcp_metadata
 
-__all__ = ["DCP_METADATA", "MetadataReads", "SafeMetadata", "metadata_reads", "share_metadata"]
+__all__ = ["DCP_METADATA", "MetadataReads", "SafeMetadata", "metadata_reads", "outline_of", "share_outline"]
 
 DCP_METADATA = ".metadata"
 
@@ -35,7 +38,7 @@ DCP_METADATA = ".metadata"
 class MetadataReads:
     """What this process read of DCP ``.metadata`` files from storage, over every load it ran.
 
-    A load reads ``.metadata`` on one rank and broadcasts it (:func:`share_metadata`), so
+    A load reads ``.metadata`` on one rank and broadcasts it (:func:`share_outline`), so
     summed over the ranks of a job this is the file's size once per load, not once per
     rank (204 MB × 4096 ranks was 835 GB of reads from shared storage for one load).
     """
@@ -106,19 +109,25 @@ class SafeMetadata:
         return metadata
 
 
-def share_metadata(reader: SafeMetadata) -> Metadata:
-    """Collective: rank 0 reads (and checks) ``.metadata`` once; every rank gets its bytes in one broadcast.
+def share_outline(reader: SafeMetadata) -> tuple[Metadata, Metadata | None]:
+    """Collective: rank 0 reads (and checks) ``.metadata`` once; every rank gets its outline in one broadcast.
 
-    Every rank unpickles the bytes with the restricted unpickler, as if it had read them;
-    rank 0 does first, so no rank unpickles what failed its checks. A failure on rank 0
-    is raised on every rank, as the same class where it says what is wrong with the
-    checkpoint (damaged, unsafe, unreachable), so a bad checkpoint reads alike everywhere.
+    The outline (:func:`outline_of`) is every tensor's name,
+    size and dtype: what a rank needs to place its targets. The chunks, which grow with
+    the ranks that saved, stay on rank 0, which sends each rank only those its targets
+    overlap (:func:`~shardpoint.formats.load_parts.plan`). Returns the outline, and on
+    rank 0 the whole metadata (None elsewhere).
+
+    Every rank unpickles the outline with the restricted unpickler, as if read from the
+    file. A failure on rank 0 is raised on every rank, as the same class where it says
+    what is wrong with the checkpoint (damaged, unsafe, unreachable), so a bad checkpoint
+    reads alike everywhere.
     """
-    data, error = None, None
+    data, error, whole = None, None, None
     if comm.rank() == 0:
         try:
-            data = reader.read_metadata_bytes()
-            reader.use_metadata_bytes(data)
+            whole = reader.use_metadata_bytes(reader.read_metadata_bytes())
+            data = pickle.dumps(outline_of(whole), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             data, error = None, exc
     failure = None if error is None else (_kind_of(error), f"{type(error).__name__}: {error}")
@@ -130,7 +139,20 @@ def share_metadata(reader: SafeMetadata) -> Metadata:
     if failure is not None:
         kind, text = failure
         raise kind(f"rank 0 could not read {DCP_METADATA}: {text}")
-    return reader.read_metadata() if comm.rank() == 0 else reader.use_metadata_bytes(data)
+    outline = load_dcp_metadata(data, f"the outline of {reader._metadata_path()}")
+    return outline, whole
+
+
+def outline_of(metadata: Metadata) -> Metadata:
+    """``metadata`` without its chunks or where they are stored: what every rank needs to place its targets.
+
+    A few hundred bytes per tensor, however many ranks saved it.
+    """
+    tensors = {
+        key: TensorStorageMetadata(md.properties, md.size, []) if isinstance(md, TensorStorageMetadata) else md
+        for key, md in metadata.state_dict_metadata.items()
+    }
+    return dataclasses.replace(metadata, state_dict_metadata=tensors, storage_data={})
 
 
 def _kind_of(error: BaseException) -> type[CheckpointError]:

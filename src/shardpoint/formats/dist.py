@@ -58,19 +58,17 @@ from torch.futures import Future
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
-from shardpoint.formats import dedup, dist_save, read_plan, shared_reads
+from shardpoint.formats import dedup, dist_save, load_parts, shared_reads
 from shardpoint.formats.base import (
     FormatContext,
     Loaded,
     read_torch_file,
     size_difference,
-    unexpected_keys,
-    wanted_keys,
     wanted_summary,
     write_torch_file,
 )
 from shardpoint.formats.batched_writes import write_plan
-from shardpoint.formats.dcp_metadata import DCP_METADATA, SafeMetadata, share_metadata
+from shardpoint.formats.dcp_metadata import DCP_METADATA, SafeMetadata, share_outline
 from shardpoint.formats.dcp_read import StreamingReads
 from shardpoint.formats.dist_replay import fingerprint_of, shard_spec
 from shardpoint.parallel import comm
@@ -388,63 +386,63 @@ class DistFormat:
         return sorted(meta.files)
 
     def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:
-        """DCP's data files (see dcp_read) and ``.metadata`` (by the one rank that reads it, share_metadata)."""
+        """DCP's data files (see dcp_read) and ``.metadata`` (by the one rank that reads it, share_outline)."""
         return {name for name in meta.files if name.endswith(".distcp") or name == DCP_METADATA}
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
-        """Three rounds at any rank count: ``.metadata`` from rank 0, the plan (and the file checks), the reads.
+        """Four rounds at any rank count: the outline, the plan (gathered, then each rank's part), the reads.
 
-        ``.metadata`` is read and checked once per job, by rank 0, and broadcast
-        (:func:`share_metadata`), not read by every rank. A load needs no central
-        planning (DCP's global load plan is every rank's own plan unchanged), so each
-        rank runs DCP's reader and planner by itself (``dcp.load(no_dist=True)``) and
-        DCP's own plan gather, scatter and read all-gather are not made; the outcome
-        round raises any rank's failure everywhere.
+        ``.metadata`` is read and checked once per job, by rank 0, which broadcasts only
+        its outline (:func:`share_outline`). Each rank places its targets against the
+        outline (running the pipeline's file checks alongside) and sends rank 0 their
+        boxes; rank 0 plans every rank's reads from the whole file and sends each rank
+        its own part (:mod:`~shardpoint.formats.load_parts`), so no rank but rank 0
+        holds another rank's chunks. Each rank then runs DCP's planner and reader on its
+        part by itself (as ``dcp.load(no_dist=True)``); the outcome round raises any
+        rank's failure everywhere.
         """
         expected = {n: meta.files[n] for n in self.checksummed_while_reading(meta)} if ctx.verify else None
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items)
         reader.metadata_record = (expected or {}).get(DCP_METADATA)
-        share_metadata(reader)
+        outline, whole = share_outline(reader)
+        saved = sorted(outline.state_dict_metadata)
         local: dict[str, Any] = {}
 
-        def prepare() -> tuple[list[str], dict]:
+        def prepare() -> load_parts.Request:
             if ctx.checks is not None:
                 ctx.checks()  # the pipeline's file checks: their outcome rides on this round's
-            local["metadata"] = metadata = reader.read_metadata()  # as share_metadata left it
-            local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, metadata)
-            _check_shapes(targets, metadata, meta, ctx, flat)
-            local["present"] = present = {k: s for k, s in targets.items() if k in metadata.state_dict_metadata}
-            local["planner"] = planner = ShardLoadPlanner(present, ctx.directory)
-            planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
-            local["items"] = items = planner.create_local_plan().items
-            local["saved"] = saved = sorted(metadata.state_dict_metadata)
-            keys = wanted_summary(targets, saved)  # bits, not names: every rank receives every rank's
-            if not (metadata.storage_data and comm.world_size() > 1):
-                return keys, b"", ()
-            local["position"] = position = read_plan.storage_positions(metadata)
-            needs = shared_reads.needs_of(items, present, metadata, position)
-            return keys, read_plan.pack(needs), shared_reads.device_types(present)
+            local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, outline)
+            _check_shapes(targets, outline, meta, ctx, flat)
+            local["present"] = present = {k: s for k, s in targets.items() if k in outline.state_dict_metadata}
+            keys = wanted_summary(targets, saved)  # bits, not names: rank 0 receives every rank's
+            boxes = load_parts.boxes_of(present, outline, saved)
+            return load_parts.Request(keys, *boxes, shared_reads.device_types(present))
+
+        def plan(requests: list[load_parts.Request]) -> list[load_parts.Part]:
+            assert whole is not None  # rank 0's
+            shared = self.shared_reads and len(requests) > 1 and bool(whole.storage_data)
+            budget = shared_reads.EXCHANGE_BUFFER_BYTES
+            return load_parts.plan(whole, requests, shared, budget, ctx.directory)
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
-        prepared = comm.agree_all(prepare, "preparing the load")
-        metadata, plan, present = local["metadata"], local["plan"], local["present"]
-        wanted = wanted_keys((keys for keys, _, _ in prepared), local["saved"])
-        saved = set(metadata.state_dict_metadata)
-        missing, unexpected = sorted(wanted - saved), unexpected_keys(saved, wanted)
-        shared = self.shared_reads and comm.world_size() > 1 and bool(metadata.storage_data)
+        part = comm.plan_at_root(prepare, plan, "preparing the load")
+        metadata, position = part.metadata(outline, saved)
+        present, plan = local["present"], local["plan"]
+        planner = ShardLoadPlanner(present, ctx.directory)
+        planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
+        items = planner.create_local_plan().items
+        missing, unexpected = part.missing, part.unexpected
         exchange = None
-        if shared:
-            position = local["position"]
-            needs = read_plan.Needs.from_packed([packed for _, packed, _ in prepared], metadata, position)
-            route = shared_reads.route_for([types for _, _, types in prepared], self.exchange_route)
-            exchange = shared_reads.Exchange(local["items"], present, needs, metadata, position, route)
+        if part.shared:
+            route = shared_reads.route_for([part.kinds], self.exchange_route)
+            exchange = shared_reads.Exchange(items, present, metadata, position, route, part.assignment(comm.rank()))
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
 
         def read() -> tuple[list[str], int]:
             with _dcp_errors(ctx.directory, loading=True), paused_gc():
                 if exchange is None:  # what dcp.load(no_dist=True) does, without planning a second time
                     reader.set_up_storage_reader(metadata, comm.rank() == 0)
-                    reader.read_data(LoadPlan(local["items"]), local["planner"]).wait()
+                    reader.read_data(LoadPlan(items), planner).wait()
                 else:
                     _read_items(reader, metadata, present, exchange, ctx.directory)
             if exchange is not None:
@@ -455,7 +453,7 @@ class DistFormat:
 
         outcomes = comm.agree_all(read, "reading the checkpoint")
         if exchange is not None and exchange.needed():
-            comm.agree(lambda: exchange.run(local["planner"].resolve_tensor), "passing tensors to other ranks")
+            comm.agree(lambda: exchange.run(planner.resolve_tensor), "passing tensors to other ranks")
         rank_local.reinitialise(plan)
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(list(plan.reinit), ctx.directory)

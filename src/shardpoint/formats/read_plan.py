@@ -77,6 +77,13 @@ class Needs:
         return cls._sorted(len(needs), ranks, positions, lengths, np.array([row[3] for row in rows], dtype=np.bool_))
 
     @classmethod
+    def from_columns(
+        cls, world: int, ranks: np.ndarray, at: np.ndarray, lengths: np.ndarray, exact: np.ndarray
+    ) -> Needs:
+        """From one row per (rank, stored item) in any order, as rank 0 plans a load (formats.load_parts)."""
+        return cls._sorted(world, ranks.astype(np.int64), at.astype(np.int64), lengths.astype(np.int64), exact)
+
+    @classmethod
     def _sorted(cls, world: int, ranks: np.ndarray, at: np.ndarray, lengths: np.ndarray, exact: np.ndarray) -> Needs:
         order = np.lexsort((ranks, at))
         return cls(world, ranks[order], at[order], lengths[order], exact[order])
@@ -139,14 +146,18 @@ def plan_sharing(
     readers = plan_reads(needs, files) if readers is None else readers
     held = np.zeros(needs.world, dtype=np.int64)
     receivers: dict[int, list[int]] = {}
-    bounds = (np.flatnonzero(np.diff(needs.positions)) + 1).tolist()
-    for start, end in zip([0, *bounds], [*bounds, len(needs.positions)]) if len(needs.positions) else ():
-        at = int(needs.positions[start])
-        reader = readers[files[at]]
+    if not len(needs.positions):
+        return receivers
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(needs.positions)) + 1))
+    ends = np.append(starts[1:], len(needs.positions))
+    items = needs.positions[starts].tolist()
+    item_reader = np.fromiter((readers[files[at]] for at in items), dtype=np.int64, count=len(items))
+    # only items some rank other than their reader needs cost anything (one needer: its own reader)
+    shared = np.logical_or.reduceat(needs.ranks != np.repeat(item_reader, ends - starts), starts)
+    for i in np.flatnonzero(shared).tolist():
+        start, end, at, reader = int(starts[i]), int(ends[i]), items[i], int(item_reader[i])
         ranks, exact = needs.ranks[start:end], needs.exact[start:end]
         others = ranks != reader
-        if not others.any():
-            continue
         size = chunk_bytes[at]
         own = exact[~others]
         reader_cost = 0 if own.size and own[0] else size

@@ -5,8 +5,9 @@ parallel filesystem (Megatron-LM's ``--ckpt-fully-parallel-load`` and PyTorch's
 cooperative load planner exist for this), and every tensor-parallel rank reads the
 norms and biases that all of them hold.
 
-In the load's planning round every rank also sends the stored items (DCP's chunks) it
-needs. Then, identically on every rank and without another message:
+In the load's planning round every rank sends rank 0 the boxes of its targets; rank 0
+finds the stored items (DCP's chunks) each rank needs and plans, once for all ranks
+(:mod:`~shardpoint.formats.load_parts`), and each rank receives its :class:`Assignment`:
 
 1. :func:`~shardpoint.formats.read_plan.plan_reads` gives each file one reader: among the ranks that need the most of
    its bytes, the one with the fewest bytes so far (biggest files first). Data-parallel
@@ -43,7 +44,6 @@ freed), and partial receives land in GPU buffers.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,31 +54,16 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from shardpoint.formats.read_plan import Need, Needs, plan_reads, plan_sharing
 from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
 
-__all__ = ["EXCHANGE_BUFFER_BYTES", "Exchange", "Route", "device_types", "needs_of", "route_for"]
+__all__ = ["EXCHANGE_BUFFER_BYTES", "Assignment", "Exchange", "Route", "device_types", "route_for"]
 
 _PEER = "__shardpoint_peer__/"  # target keys of chunks read for other ranks
 
 #: bytes one rank may hold for a shared load beyond its own state (chunks read for others
 #: that it does not hold, chunks it receives only in part)
 EXCHANGE_BUFFER_BYTES = 1 << 30
-
-
-def needs_of(
-    items: Sequence[ReadItem], targets: Mapping[str, Shard], metadata: Metadata, position: Mapping[MetadataIndex, int]
-) -> dict[int, Need]:
-    """This rank's part of the planning round: every stored item its ``items`` read from, by position."""
-    storage = metadata.storage_data
-    grouped: dict[MetadataIndex, list[ReadItem]] = {}
-    for item in items:
-        grouped.setdefault(item.storage_index, []).append(item)
-    return {
-        position[index]: (storage[index].length, _whole_target(wanted, index, targets, metadata) is not None)
-        for index, wanted in grouped.items()
-    }
 
 
 def device_types(targets: Mapping[str, Shard]) -> tuple[str, ...]:
@@ -117,38 +102,44 @@ def route_for(types: Sequence[Sequence[str]], force: str = "auto") -> Route:
     return Route(group or dist.group.WORLD, device, trainer=True)  # forced "trainer": the default group
 
 
+@dataclass
+class Assignment:
+    """One rank's share of a shared load, as rank 0 planned it (:mod:`~shardpoint.formats.load_parts`).
+
+    Stored items are named by their position, which rank 0 gave every rank alike.
+    """
+
+    #: stored item -> the rank that reads its file: every item this rank needs, reads or sends
+    readers: dict[int, int]
+    #: stored item -> the ranks that receive it from its reader: every item this rank sends or receives
+    receivers: dict[int, list[int]]
+    #: stored items this rank reads itself although another rank reads their file
+    direct: set[int]
+    #: whether any rank receives anything (the same on every rank)
+    needed: bool
+
+
 class Exchange:
     """One rank's part of a shared load: what it reads, what it sends, what it receives.
 
-    Stored items are named by their ``position`` (:func:`~shardpoint.formats.read_plan.storage_positions`).
+    ``metadata`` holds the stored items this rank needs, reads or sends (its part, not
+    the whole file); ``position`` names each by its position in ``assignment``.
     """
 
     def __init__(
         self,
         items: Sequence[ReadItem],
         targets: Mapping[str, Shard],
-        needs: Needs,
         metadata: Metadata,
         position: Mapping[MetadataIndex, int],
         route: Route,
-        budget: int | None = None,
+        assignment: Assignment,
     ):
-        storage = metadata.storage_data
         self.rank = comm.rank()
         self.targets, self.metadata, self.route = targets, metadata, route
-        self.order = order = list(position)  # the stored items by position
-        self.files = [storage[index].relative_path for index in order]
-        self.readers = plan_reads(needs, self.files)
-        sizes = {at: self._nbytes(at) for at in needs.items().tolist()}
-        bound = EXCHANGE_BUFFER_BYTES if budget is None else budget
-        #: stored item -> the ranks that receive it from its reader (the reader's own reads are not listed)
-        self.receivers = plan_sharing(needs, self.files, sizes, bound, self.readers)
-        #: stored items this rank reads itself although another rank reads their file
-        self.direct = {
-            at
-            for at in needs.of(self.rank)
-            if self.reader_of(at) != self.rank and self.rank not in self.receivers.get(at, [])
-        }
+        self.index = {at: index for index, at in position.items()}
+        self.readers, self.receivers = assignment.readers, assignment.receivers
+        self.direct, self.any_received = assignment.direct, assignment.needed
         self.mine: dict[int, list[ReadItem]] = {}
         for item in items:
             self.mine.setdefault(position[item.storage_index], []).append(item)
@@ -157,7 +148,7 @@ class Exchange:
         self.landing: list[int] = []  # received into a buffer, copied into its targets after
 
     def reader_of(self, at: int) -> int:
-        return self.readers[self.files[at]]
+        return self.readers[at]
 
     def read_items(self) -> tuple[list[ReadItem], dict[str, Shard]]:
         """This rank's reads (its items in its files, whole chunks for others) and the extra targets they fill."""
@@ -172,7 +163,7 @@ class Exchange:
             if whole is not None:
                 self.chunks[at] = whole
                 continue
-            index = self.order[at]
+            index = self.index[at]
             sizes, dtype = self._chunk(at)
             key = f"{_PEER}{len(extra)}"
             self.chunks[at] = buffer = torch.empty(sizes, dtype=dtype)
@@ -184,7 +175,7 @@ class Exchange:
 
     def needed(self) -> bool:
         """Whether any rank receives something (every rank gets the same answer)."""
-        return any(self.receivers.values())
+        return self.any_received
 
     def stage(self) -> None:
         """Put what this rank sends and receives on the route's device, before any rank posts a transfer.
@@ -227,14 +218,10 @@ class Exchange:
         return [(at, ranks) for at, ranks in sorted(self.receivers.items()) if ranks]
 
     def _whole_target(self, at: int) -> torch.Tensor | None:
-        return _whole_target(self.mine.get(at, []), self.order[at], self.targets, self.metadata)
+        return _whole_target(self.mine.get(at, []), self.index[at], self.targets, self.metadata)
 
     def _chunk(self, at: int) -> tuple[torch.Size, torch.dtype]:
-        return _chunk(self.metadata, self.order[at])
-
-    def _nbytes(self, at: int) -> int:
-        sizes, dtype = self._chunk(at)
-        return math.prod(sizes) * dtype.itemsize
+        return _chunk(self.metadata, self.index[at])
 
 
 def _whole_target(

@@ -149,6 +149,49 @@ def _gather_to(obj: Any, dst: int, group: Any) -> list[Any] | None:
     return out
 
 
+def scatter_from(parts: list[Any] | None, src: int = 0, group: Any = None, what: str = "a collective round") -> Any:
+    """``parts[i]`` to the i-th rank of ``group`` (None: the control group), from global rank ``src``.
+
+    Each rank receives only its own part: what a rank needs of a plan made on one rank
+    (its reads of a load), where a broadcast would give every rank every part. Parts too
+    large for the frame follow point to point, to just the ranks they are for.
+    """
+    if not initialized() or (group is None and world_size() == 1):
+        assert parts is not None
+        return parts[0]
+    group = group or control_group()
+    with _watched(group, what):
+        return _scatter_from(parts, src, group)
+
+
+def _scatter_from(parts: list[Any] | None, src: int, group: Any) -> Any:
+    if not _framed(group):
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, parts if rank() == src else None, src=src, group=group)
+        return out[0]
+    frame = _empty(GATHER_INLINE)
+    if rank() != src:
+        dist.scatter(frame, None, src=src, group=group)
+        length = _length(frame)
+        if length <= GATHER_INLINE:
+            return _decode(frame[_HEADER:], length)
+        whole = torch.empty(length, dtype=torch.uint8)
+        dist.recv(whole, src=src, group=group)
+        return _decode(whole, length)
+    assert parts is not None
+    members = dist.get_process_group_ranks(group)
+    datas = [_encode(part) for part in parts]
+    dist.scatter(frame, [_frame(data, GATHER_INLINE) for data in datas], src=src, group=group)
+    sends = [
+        dist.isend(_padded(data, len(data)), dst=member, group=group)
+        for member, data in zip(members, datas)
+        if member != src and len(data) > GATHER_INLINE
+    ]
+    for request in sends:
+        request.wait()
+    return parts[members.index(src)]
+
+
 # An object collective of torch sends the sizes first, then the pickled objects: two
 # collectives (three calls) for what is most often a few bytes (an agreement's "no
 # error"). Here the pickle travels inside a fixed-size frame behind its length, so a
@@ -336,6 +379,33 @@ def decide_at_root(value: Any, error: BaseException | None, decide: Callable[[li
     verdict = broadcast(verdict, what=what)
     _raise_failures(error or root_error, verdict, what)
     return result
+
+
+def plan_at_root(step: Callable[[], Any], plan: Callable[[list[Any]], list[Any]], what: str) -> Any:
+    """Every rank runs ``step``; rank 0's ``plan(results)`` gives one part per rank; each rank returns its own.
+
+    Two rounds at any rank count (a gather, a scatter): a plan made once, on rank 0, from
+    what every rank said, with no rank receiving the others' parts. A failure anywhere,
+    in a rank's own step or in ``plan``, is raised on every rank as :func:`agree` does.
+    Over the control group.
+    """
+    value, error = _attempt(step)
+    gathered = gather_to((_summary(error), None if error else value), 0, what=what)
+    parts: list[Any] = [None] * world_size()
+    verdict: dict[int, str | None] = {}
+    root_error = None
+    if gathered is not None:  # rank 0 (or a single process)
+        verdict = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
+        if not verdict:
+            planned, root_error = _attempt(lambda: plan([v for _, v in gathered]))
+            if root_error is not None:
+                verdict = {rank(): _summary(root_error)}
+            else:
+                parts = list(planned or parts)
+        parts = [(verdict, part) for part in parts]
+    verdict, part = scatter_from(parts if gathered is not None else None, what=what)
+    _raise_failures(error or root_error, verdict, what)
+    return part
 
 
 def _attempt(step: Callable[[], T]) -> tuple[T | None, BaseException | None]:
