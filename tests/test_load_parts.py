@@ -7,6 +7,7 @@ random target boxes, against ``create_read_items_for_chunk_list``.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -36,7 +37,7 @@ def _grid(rng: random.Random, shape: tuple[int, ...]) -> list[tuple[tuple[int, .
     boxes = [((), ())]
     for size in shape:
         cuts = _cuts(rng, size)
-        boxes = [(o + (a,), s + (b - a,)) for o, s in boxes for a, b in zip(cuts, cuts[1:])]
+        boxes = [((*o, a), (*s, b - a)) for o, s in boxes for a, b in itertools.pairwise(cuts)]
     return boxes
 
 
