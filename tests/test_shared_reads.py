@@ -8,7 +8,7 @@ import torch
 import shardpoint as sp
 from shardpoint.catalog.metadata import CheckpointMetadata
 from shardpoint.formats import shared_reads
-from shardpoint.formats.read_plan import Needs, pack, plan_reads, plan_sharing, storage_positions
+from shardpoint.formats.read_plan import Needs, plan_reads, plan_sharing
 from shardpoint.storage.base import open_storage
 from tests import toy
 from tests.distributed import launch
@@ -57,7 +57,7 @@ def test_every_stored_byte_is_read_once_from_s3(s3_server, bucket):
 
 
 def test_each_file_goes_to_a_rank_needing_most_of_it_and_the_load_is_balanced():
-    a, b, c, d = range(4)  # stored items, by position (storage_positions)
+    a, b, c, d = range(4)  # stored items, by position (formats.load_parts)
     files = ["f1", "f2", "f3", "f4"]
     # ranks 0 and 1 are replicas (need a, b, c); rank 2 needs c and d only
     needs = [{a: (100, True), b: (60, True), c: (50, True)}, {a: (100, True), b: (60, True), c: (50, True)}]
@@ -202,27 +202,14 @@ def test_only_a_backend_that_moves_device_memory_itself_takes_the_device_route()
         shared_reads.route_for([("cpu",)], "nccl")
 
 
-def test_the_plan_message_says_the_same_as_names_would():
-    """Keys as bits over the saved keys plus the unsaved ones, needs as positions: nothing lost on the way."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-
+def test_the_keys_as_bits_say_the_same_as_names_would():
+    """Keys as bits over the saved keys plus the unsaved ones: nothing lost on the way to rank 0."""
     from shardpoint.formats.base import wanted_keys, wanted_summary
 
     saved = sorted(f"model.w{i}" for i in range(13))
     asked = [{"model.w0", "model.w12", "model.new"}, {"model.w5"}, set(), {"optimizer.x", "model.w5"}]
     union = wanted_keys([wanted_summary(keys, saved) for keys in asked], saved)
     assert union == set().union(*asked)
-
-    indices = [MetadataIndex(f"t{i}", torch.Size([i % 3])) for i in range(7)]
-    metadata = Metadata({}, storage_data={x: _StorageInfo("f", 0, 10 + n) for n, x in enumerate(indices)})
-    position = storage_positions(metadata)
-    needs = [{position[indices[2]]: (12, True), position[indices[6]]: (16, False)}, {}, {0: (10, True)}]
-    packed = [pack(n) for n in needs]
-    assert [len(p) for p in packed] == [10, 0, 5]
-    received = Needs.from_packed(packed, metadata, position)
-    assert [received.of(rank) for rank in range(3)] == needs
-    assert received.items().tolist() == sorted({0, *needs[0]})
 
 
 def _reference_reads(needs: list[dict], files: list[str]) -> dict[str, int]:

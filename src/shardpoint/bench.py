@@ -392,7 +392,7 @@ def add_parser(subparsers: Any) -> None:
         "--simulate-ranks",
         type=_counts,
         default=[],
-        help="instead: rank-0 planning of one save at these simulated rank counts (e.g. 1024,4096)",
+        help="instead: rank-0 planning of one save and of its load at these simulated rank counts (e.g. 1024,4096)",
     )
     parser.add_argument(
         "--frozen-base",

@@ -13,10 +13,10 @@ Three measurements, each against plain DCP in the same run:
 - **planning** (``--simulate-ranks 4096,16384``): in one process, rank 0's part of a
   save of N ranks × 300 ``Shard(0)`` parameters: DCP's central planning against
   shardpoint's first save (``.metadata`` from compact records) and a replayed one,
-  with the bytes gathered and rank 0's peak memory (:mod:`shardpoint.commands.planning_sim`). And every rank's part of
-  a load's plan round at tp=8 and dp=N/8 (:mod:`shardpoint.formats.shared_reads`): the
-  message each rank sends and receives, against the same said with key names, and the
-  planning of the shared reads that every rank does for all of them.
+  with the bytes gathered and rank 0's peak memory (:mod:`shardpoint.commands.planning_sim`). And a
+  load of that checkpoint at the same N ranks (:mod:`shardpoint.formats.load_parts`):
+  rank 0's plan for every rank, and what each rank receives (the outline and its part)
+  against the whole ``.metadata`` every rank received before.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ saved keys in sorted order, each key's chunks in ``.metadata``'s order.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -147,40 +149,45 @@ class _Table:
 
     @classmethod
     def of(cls, metadata: Metadata, saved: Sequence[str], dims: int) -> _Table:
+        """Built with one Python step per chunk and per stored item (1.2 million of each at 4096 × 300)."""
         tensors = [metadata.state_dict_metadata[key] for key in saved]
         counts = [len(md.chunks) if isinstance(md, TensorStorageMetadata) else 0 for md in tensors]
         base = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
         total = int(base[-1])
         starts, sizes = np.zeros((total, dims), np.int64), np.ones((total, dims), np.int64)
         nbytes = np.zeros(total, np.int64)
-        at: dict[tuple[str, tuple[int, ...]], int] = {}
+        at: dict[tuple[str, torch.Size], int] = {}  # torch.Size hashes as its tuple: no conversions
         for k, (key, md) in enumerate(zip(saved, tensors)):
             if not counts[k]:
                 continue
-            first, ndim = int(base[k]), len(md.size)
-            offsets = [tuple(chunk.offsets) for chunk in md.chunks]
-            rows = slice(first, first + counts[k])
-            starts[rows, :ndim] = np.array(offsets, np.int64).reshape(counts[k], ndim)
-            sizes[rows, :ndim] = np.array([tuple(c.sizes) for c in md.chunks], np.int64).reshape(counts[k], ndim)
+            rows, ndim = slice(int(base[k]), int(base[k + 1])), len(md.size)
+            starts[rows, :ndim] = _int_rows((chunk.offsets for chunk in md.chunks), counts[k], ndim)
+            sizes[rows, :ndim] = _int_rows((chunk.sizes for chunk in md.chunks), counts[k], ndim)
             nbytes[rows] = sizes[rows].prod(axis=1) * md.properties.dtype.itemsize
-            at.update(zip(((key, o) for o in offsets), range(first, first + counts[k])))
+            at.update(zip([(key, chunk.offsets) for chunk in md.chunks], range(rows.start, rows.stop)))
         file, offset, length = np.full(total, -1, np.int32), np.zeros(total, np.int64), np.zeros(total, np.int64)
-        names: dict[tuple[str, tuple[str, ...] | None], int] = {}
-        rows: list[tuple[int, int, int, int]] = []  # filled in one go below: numpy's per-element stores are slow
+        names: dict[Any, int] = {}  # a path, or (path, DCP's transform descriptors) where it has any
+        found: list[tuple[int, int, int, int]] = []  # stored in one go below: numpy's per-element stores are slow
         for index, info in (metadata.storage_data or {}).items():
-            where = at.get((index.fqn, tuple(index.offset or ())))
+            where = at.get((index.fqn, index.offset))
             if where is None:
                 continue  # a pickled object's bytes (refused when asked for), not a tensor's chunk
             descriptors = getattr(info, "transform_descriptors", None)
-            name = (info.relative_path, tuple(descriptors) if descriptors else None)
-            rows.append((where, names.setdefault(name, len(names)), info.offset, info.length))
-        if rows:
-            where, file_id, at_offset, stored = np.array(rows, np.int64).T
+            name = (info.relative_path, tuple(descriptors)) if descriptors else info.relative_path
+            found.append((where, names.setdefault(name, len(names)), info.offset, info.length))
+        if found:
+            where, file_id, at_offset, stored = np.array(found, np.int64).T
             file[where], offset[where], length[where] = file_id, at_offset, stored
-        return cls(base, starts, sizes, nbytes, file, offset, length, list(names))
+        files = [name if isinstance(name, tuple) else (name, None) for name in names]
+        return cls(base, starts, sizes, nbytes, file, offset, length, files)
 
     def key_of(self, positions: np.ndarray) -> np.ndarray:
         return (np.searchsorted(self.base, positions, side="right") - 1).astype(np.int32)
+
+
+def _int_rows(values: Any, count: int, ndim: int) -> np.ndarray:
+    """``count`` sequences of ``ndim`` ints as a (count, ndim) array (``np.array`` of tuples is twice as slow)."""
+    return np.fromiter(itertools.chain.from_iterable(values), np.int64, count * ndim).reshape(count, ndim)
 
 
 def plan(metadata: Metadata, requests: Sequence[Request], shared: bool, budget: int, where: str) -> list[Part]:

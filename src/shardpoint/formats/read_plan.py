@@ -1,49 +1,28 @@
-"""Who reads which file of a shared load, and who receives which chunk: the same answer on every rank.
+"""Who reads which file of a shared load, and who receives which chunk: planned once, on rank 0.
 
-The policy half of :mod:`shardpoint.formats.shared_reads` (which moves the bytes). Every
-rank plans for all ranks from what each said in the load's plan round, so there is no
-central planner and no second message; that makes this O(ranks × items) on every rank,
-and why it works on columns (numpy) rather than a dict per rank: at 4096 ranks of 300
-chunks each that is 1.2 million needs, 2.5 s as dicts and 0.3 s as columns (``shardpoint
-bench --simulate-ranks``).
+The policy half of :mod:`shardpoint.formats.shared_reads` (which moves the bytes). Rank 0
+plans for all ranks from the needs it found for each (:mod:`~shardpoint.formats.load_parts`)
+and sends each rank its share. That is O(ranks × items) on one rank, which is why it works
+on columns (numpy) rather than a dict per rank: at 4096 ranks of 300 chunks each that is
+1.2 million needs, 2.5 s as dicts and 0.3 s as columns, and why :func:`plan_sharing` loops
+in Python only over the items some rank besides their reader needs.
 
-Stored items are named by their position (:func:`storage_positions`), which every rank
-computes alike from the same ``.metadata``; a rank's needs travel packed
-(:func:`pack`): 5 bytes per item instead of about 100 for a pickled name and offset.
+Stored items are named by their position, which rank 0 gives every rank
+(:mod:`~shardpoint.formats.load_parts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-__all__ = ["Need", "Needs", "pack", "plan_reads", "plan_sharing", "storage_positions"]
+__all__ = ["Need", "Needs", "plan_reads", "plan_sharing"]
 
 #: what a rank needs of one stored item: its stored bytes, and whether it is exactly one of
 #: the rank's targets (received into it, no buffer)
 Need = tuple[int, bool]
-
-
-def storage_positions(metadata: Metadata) -> dict[MetadataIndex, int]:
-    """Each stored item's position in one order every rank computes alike (needs travel as positions).
-
-    A dict in that order: ``list()`` of it gives the items by position.
-    """
-    ordered = sorted(metadata.storage_data, key=lambda index: (index.fqn, tuple(index.offset or ())))
-    return {index: at for at, index in enumerate(ordered)}
-
-
-def pack(needs: Mapping[int, Need]) -> bytes:
-    """One rank's needs (position -> :data:`Need`) as it sends them: int32 positions, then a flag byte each.
-
-    The sizes are not sent: every rank looks them up in its own ``.metadata``.
-    """
-    positions = np.fromiter(needs, dtype=np.int32, count=len(needs))
-    exact = np.fromiter((flag for _, flag in needs.values()), dtype=np.bool_, count=len(needs))
-    return positions.tobytes() + exact.tobytes()
 
 
 @dataclass
@@ -55,19 +34,6 @@ class Needs:
     positions: np.ndarray  # int64
     lengths: np.ndarray  # int64: stored bytes
     exact: np.ndarray  # bool: exactly one of the rank's targets
-
-    @classmethod
-    def from_packed(cls, packed: Sequence[bytes], metadata: Metadata, order: Collection[MetadataIndex]) -> Needs:
-        """What the ranks sent (:func:`pack`), ``packed[r]`` from rank r; ``order``: the items by position."""
-        storage = metadata.storage_data
-        lengths = np.fromiter((storage[index].length for index in order), dtype=np.int64, count=len(order))
-        counts = [len(one) // 5 for one in packed]
-        positions = [np.frombuffer(one, dtype=np.int32, count=n) for one, n in zip(packed, counts)]
-        exact = [np.frombuffer(one, dtype=np.bool_, offset=4 * n) for one, n in zip(packed, counts)]
-        ranks = np.repeat(np.arange(len(packed)), counts)
-        at = np.concatenate(positions).astype(np.int64) if positions else np.zeros(0, np.int64)
-        flags = np.concatenate(exact) if exact else np.zeros(0, np.bool_)
-        return cls._sorted(len(packed), ranks, at, lengths[at], flags)
 
     @classmethod
     def from_dicts(cls, needs: Sequence[Mapping[int, Need]]) -> Needs:
@@ -87,11 +53,6 @@ class Needs:
     def _sorted(cls, world: int, ranks: np.ndarray, at: np.ndarray, lengths: np.ndarray, exact: np.ndarray) -> Needs:
         order = np.lexsort((ranks, at))
         return cls(world, ranks[order], at[order], lengths[order], exact[order])
-
-    def of(self, rank: int) -> dict[int, Need]:
-        """What ``rank`` said it needs."""
-        mine = self.ranks == rank
-        return dict(zip(self.positions[mine].tolist(), zip(self.lengths[mine].tolist(), self.exact[mine].tolist())))
 
     def items(self) -> np.ndarray:
         """The stored items some rank needs, ascending (the rows are sorted by item already).
