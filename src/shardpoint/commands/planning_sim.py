@@ -58,7 +58,9 @@ def simulate_load(stream: bytes, world: int, params: int) -> dict[str, Any]:
     from shardpoint.formats.base import wanted_summary
     from shardpoint.formats.dcp_metadata import outline_of
 
-    metadata = pickle.loads(stream)
+    start = time.perf_counter()
+    metadata = pickle.loads(stream)  # made by this process (simulate_planning)
+    unpickle = time.perf_counter() - start
     outline = outline_of(metadata)
     saved = sorted(outline.state_dict_metadata)
     keys = wanted_summary(saved, saved)
@@ -80,6 +82,7 @@ def simulate_load(stream: bytes, world: int, params: int) -> dict[str, Any]:
     return {
         "ranks": world,
         "load: rank-0 plan s": seconds,
+        "unpickling .metadata s (rank 0; before: every rank)": unpickle,
         "gathered MB": gathered / 1e6,
         "received per rank KB": received / 1e3,
         "before: received per rank KB (.metadata)": len(stream) / 1e3,
