@@ -169,4 +169,60 @@ def test_a_first_save_at_four_ranks_needs_no_planning_round_and_plain_dcp_reads_
     assert set(ours.storage_data) == set(theirs.storage_data)  # each box stored once
     bias_writers = {info.relative_path.split("_")[2] for i, info in ours.storage_data.items() if i.fqn.endswith(".b")}
     assert len(bias_writers) > 1  # boxes every rank holds are spread over the ranks, not all written by rank 0
-    assert [r["calls"] for r in results] == [6] * 4  # shardpoint's own rounds only: dcp.save adds 13 (test_coverage)
+    # shardpoint's own rounds only (dcp.save adds 13, test_coverage): the replica check's boxes and hashes each
+    # go to rank 0 and back (a gather and a scatter each), so no rank receives every rank's boxes
+    assert [r["calls"] for r in results] == [8] * 4
+
+
+def _weigh_the_replica_rounds(rank: int, world: int, root: str):
+    """A first save of tp=2 × dp=world/2 (shards and replicas), weighing what each rank receives in the replica check.
+
+    The check's two exchanges (boxes, then hashes of the shared ones) are weighed as
+    pickled, against what an all-gather of the same messages would give every rank.
+    """
+    from shardpoint.parallel import comm
+
+    weighed = {"received": 0, "all-gathered": 0}
+    scatter, gather = comm.scatter_from, comm.gather_to
+    rounds = ("finding replicated tensors", "comparing replicated tensors")
+
+    def weighed_gather(obj, dst, group=None, what="a collective round"):
+        out = gather(obj, dst, group, what=what)
+        if what in rounds:
+            sizes = torch.tensor([len(pickle.dumps(obj))])
+            torch.distributed.all_reduce(sizes)  # (default group: uncounted by the control group's rounds)
+            weighed["all-gathered"] += int(sizes)
+        return out
+
+    def weighed_scatter(parts, *args, what="a collective round", **kwargs):
+        out = scatter(parts, *args, what=what, **kwargs)
+        if what in rounds:
+            weighed["received"] += len(pickle.dumps(out))
+        return out
+
+    comm.scatter_from, comm.gather_to = weighed_scatter, weighed_gather
+    topo = sp.Topology(2, 1, world // 2)
+    model = _Many(topo.tp_rank)
+    sp.Checkpointer(root, topology=topo).save(1, sp.TrainState(model))
+    plain = {f"model.{k}": torch.zeros(8, 3) for k in model.full} | {f"model.{k}": torch.zeros(3) for k in model.bias}
+    torch.distributed.barrier()
+    if rank == 0:
+        dcp.load(plain, checkpoint_id=os.path.join(root, "iter_0000001"), no_dist=True)
+    exact = rank != 0 or all(torch.equal(plain[f"model.{k}"], v) for k, v in {**model.full, **model.bias}.items())
+    return {**weighed, "exact": exact}
+
+
+class _Many(_TensorParallel):
+    def __init__(self, tp_rank: int):
+        super().__init__(tp_rank)
+        g = torch.Generator().manual_seed(2)
+        self.full = {f"layers.{i}.w": torch.randn(8, 3, generator=g) for i in range(40)}
+        self.bias = {f"layers.{i}.b": torch.randn(3, generator=g) for i in range(40)}
+
+
+def test_the_replica_check_sends_each_rank_its_own_answer_not_every_rank_s_boxes(tmp_path):
+    """8 ranks × 80 boxes: each rank receives which of its boxes are shared or written elsewhere, and the verdict."""
+    results = launch(_weigh_the_replica_rounds, 8, str(tmp_path))
+    assert all(r["exact"] for r in results)
+    for r in results:
+        assert 0 < r["received"] < 0.1 * r["all-gathered"], results

@@ -381,16 +381,16 @@ def decide_at_root(value: Any, error: BaseException | None, decide: Callable[[li
     return result
 
 
-def plan_at_root(step: Callable[[], Any], plan: Callable[[list[Any]], list[Any]], what: str) -> Any:
+def plan_at_root(step: Callable[[], Any], plan: Callable[[list[Any]], list[Any]], what: str, group: Any = None) -> Any:
     """Every rank runs ``step``; rank 0's ``plan(results)`` gives one part per rank; each rank returns its own.
 
     Two rounds at any rank count (a gather, a scatter): a plan made once, on rank 0, from
     what every rank said, with no rank receiving the others' parts. A failure anywhere,
     in a rank's own step or in ``plan``, is raised on every rank as :func:`agree` does.
-    Over the control group.
+    Over ``group`` (None: the control group), which holds every rank: its root is rank 0.
     """
     value, error = _attempt(step)
-    gathered = gather_to((_summary(error), None if error else value), 0, what=what)
+    gathered = gather_to((_summary(error), None if error else value), 0, group, what=what)
     parts: list[Any] = [None] * world_size()
     verdict: dict[int, str | None] = {}
     root_error = None
@@ -403,7 +403,7 @@ def plan_at_root(step: Callable[[], Any], plan: Callable[[list[Any]], list[Any]]
             else:
                 parts = list(planned or parts)
         parts = [(verdict, part) for part in parts]
-    verdict, part = scatter_from(parts if gathered is not None else None, what=what)
+    verdict, part = scatter_from(parts if gathered is not None else None, group=group, what=what)
     _raise_failures(error or root_error, verdict, what)
     return part
 

@@ -8,10 +8,15 @@ silently, and every rank reads the one copy back. Megatron checks parameter hash
 across data-parallel replicas for this reason; so do we, at every save, before
 anything is committed:
 
-1. every rank tells the others which boxes it holds (one small all-gather, which
-   also gives the job's deduplicated size for the free-space check);
-2. each rank hashes (XXH3-64) only the boxes some other rank holds too, and the
-   hashes are exchanged (a second small all-gather, skipped when nothing is shared);
+1. every rank sends rank 0 the boxes it holds; rank 0 checks that they tile each
+   tensor, finds the boxes several ranks hold, picks each one's writer, and sends each
+   rank only its own answer: which of its boxes are shared and which another rank
+   writes, and the job's deduplicated size for the free-space check (a gather and a
+   scatter: no rank receives the others' boxes, 64 MB per rank at 4096 ranks × 300
+   tensors as an all-gather);
+2. each rank hashes (XXH3-64) only its boxes some other rank holds too, and sends the
+   hashes to rank 0, which sends every rank the disagreements (skipped when nothing is
+   shared);
 3. a value in ``FlatState.shared_if_equal`` whose holders disagree (an optimizer
    scalar that differs by rank) moves to ``FlatState.rank_local`` and is stored per
    rank; any other disagreement raises :class:`~shardpoint.errors.ReplicaMismatchError`
@@ -32,12 +37,12 @@ from typing import Any
 import torch
 import xxhash
 
-from shardpoint.errors import ReplicaMismatchError
+from shardpoint.errors import ReplicaMismatchError, ShardingError
 from shardpoint.parallel import comm
 from shardpoint.state import coverage
 from shardpoint.state.train_state import FlatState
 
-__all__ = ["ReplicaReport", "box_of", "check_replicas", "compare", "fingerprint", "hashes_of"]
+__all__ = ["ReplicaReport", "box_of", "check_replicas", "compare", "fingerprint", "hashes_of", "settle"]
 
 _Box = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # key, offset, shape, scope
 
@@ -72,7 +77,7 @@ def fingerprint(tensor: torch.Tensor) -> tuple[str, int]:
 def check_replicas(
     flat: FlatState, group: Any = None, *, check_declared: bool = True, scope: tuple[int, ...] = ()
 ) -> ReplicaReport:
-    """Collective over ``group``: verify shared boxes agree; move disagreeing per-rank values aside.
+    """Collective over ``group`` (every rank): verify shared boxes agree; move disagreeing per-rank values aside.
 
     Every rank of ``group`` must call this with its own ``flat`` at the same point.
     ``check_declared=False`` hashes only ``flat.shared_if_equal`` (see the module
@@ -81,13 +86,50 @@ def check_replicas(
     one file per model-parallel rank, so there only data-parallel ranks are replicas.
 
     Raises:
+        ShardingError: the declared boxes leave a hole in a tensor or cover part twice (on every rank).
         ReplicaMismatchError: a declared replica differs between ranks (on every rank).
     """
-    boxes = {key: _box(key, shard, scope) for key, shard in flat.tensors.items()}
-    local = [(box, _nbytes(flat.tensors[key].tensor), key in flat.shared_if_equal) for key, box in boxes.items()]
-    rank_local_bytes = sum(_nbytes(t) for t in flat.rank_local.values())
-    gathered = comm.all_gather((local, rank_local_bytes, coverage.extents(flat.tensors.values())), group)
-    coverage.check_tiling(p for r, (e, _, x) in enumerate(gathered) for p in coverage.pieces(r, (b[0] for b in e), x))
+    boxes = [_box(key, shard, scope) for key, shard in flat.tensors.items()]
+
+    def describe() -> tuple[list, int, list]:
+        sizes = [(_nbytes(shard.tensor), key in flat.shared_if_equal) for key, shard in flat.tensors.items()]
+        local = [(box, nbytes, always) for box, (nbytes, always) in zip(boxes, sizes)]
+        rank_local_bytes = sum(_nbytes(t) for t in flat.rank_local.values())
+        return local, rank_local_bytes, coverage.extents(flat.tensors.values())
+
+    problems, total, shared, always, elsewhere, anything = comm.plan_at_root(
+        describe, _survey, "finding replicated tensors", group
+    )
+    if problems:
+        raise ShardingError(problems)
+    report = ReplicaReport(
+        total,
+        frozenset(boxes[i] for i in shared),
+        frozenset(boxes[i] for i in always),
+        frozenset(boxes[i] for i in elsewhere),
+    )
+    # rank 0 said whether any rank holds a box to check, so every rank takes the same branch
+    if anything[0 if check_declared else 1]:
+        checked = report.to_check(check_declared)
+        found = comm.plan_at_root(
+            lambda: hashes_of(flat, checked, scope),
+            lambda every: [_disagreements(every)] * len(every),
+            "comparing replicated tensors",
+            group,
+        )
+        settle(flat, found)
+    return report
+
+
+def _survey(gathered: list[tuple[list, int, list]]) -> list[tuple]:
+    """Rank 0: from every rank's boxes, each rank's answer (see :func:`check_replicas`), by index into its boxes."""
+    world = len(gathered)
+    try:
+        coverage.check_tiling(
+            p for r, (e, _, x) in enumerate(gathered) for p in coverage.pieces(r, (b[0] for b in e), x)
+        )
+    except ShardingError as exc:
+        return [(exc.problems, 0, (), (), (), (False, False))] * world
     holders: dict[_Box, list[int]] = {}
     sizes: dict[_Box, int] = {}
     always: set[_Box] = set()
@@ -97,37 +139,44 @@ def check_replicas(
             sizes[box] = nbytes
             if shared_if_equal:
                 always.add(box)
-    shared = frozenset(box for box, ranks in holders.items() if len(ranks) > 1)
-    elsewhere = _written_elsewhere(holders, sizes, len(gathered), comm.rank())  # groups span every rank
+    shared = {box for box, ranks in holders.items() if len(ranks) > 1}
+    writers = _writers(holders, sizes, world)
     total = sum(sizes.values()) + sum(extra for _, extra, _ in gathered)
-    report = ReplicaReport(total, shared, shared & always, elsewhere)
-    # decided from gathered data only, so every rank takes the same branch (the next all-gather)
-    checked = report.to_check(check_declared)
-    if checked:
-        compare(flat, comm.all_gather(hashes_of(flat, checked, scope), group))
-    return report
+    anything = (bool(shared), bool(shared & always))
+    parts = []
+    for rank, (entries, _, _) in enumerate(gathered):
+        at = [i for i, (box, _, _) in enumerate(entries) if box in shared]
+        parts.append(
+            (
+                None,
+                total,
+                at,
+                [i for i in at if entries[i][0] in always],
+                [i for i in at if writers[entries[i][0]] != rank],
+                anything,
+            )
+        )
+    return parts
 
 
-def _written_elsewhere(holders: dict[_Box, list[int]], sizes: dict[_Box, int], world: int, rank: int) -> frozenset:
-    """The shared boxes ``rank`` holds but does not write: each shared box has one writer.
+def _writers(holders: dict[_Box, list[int]], sizes: dict[_Box, int], world: int) -> dict[_Box, int]:
+    """The one rank that writes each shared box.
 
-    The writer is the holder with the fewest bytes to write so far (lowest rank on a
-    tie), in the gathered order, as DCP's central ``dedup_save_plans`` balances them;
-    every rank computes it from the same gathered boxes, so a first save needs no
+    The holder with the fewest bytes to write so far (lowest rank on a tie), in the
+    gathered order, as DCP's central ``dedup_save_plans`` balances them; rank 0 decides
+    and each rank learns which of its boxes another rank writes, so a first save needs no
     central planning to agree on who writes what (:mod:`shardpoint.formats.dist`).
     """
     load = [0] * world
     for box, ranks in holders.items():
         if len(ranks) == 1:
             load[ranks[0]] += sizes[box]
-    skipped = []
+    writers = {}
     for box, ranks in holders.items():
         if len(ranks) > 1:
-            writer = min(ranks, key=lambda r: (load[r], r))
+            writers[box] = writer = min(ranks, key=lambda r: (load[r], r))
             load[writer] += sizes[box]
-            if writer != rank and rank in ranks:
-                skipped.append(box)
-    return frozenset(skipped)
+    return writers
 
 
 def box_of(key: str, shard: Any, scope: tuple[int, ...] = ()) -> _Box:
@@ -153,7 +202,11 @@ def compare(flat: FlatState, hashes: Iterable[dict[_Box, tuple[str, int]]]) -> s
     Raises:
         ReplicaMismatchError: a declared replica differs between ranks.
     """
-    disagreements = _disagreements(hashes)
+    return settle(flat, _disagreements(hashes))
+
+
+def settle(flat: FlatState, disagreements: dict[str, list[list[int]]]) -> set[str]:
+    """:func:`compare` given the disagreements found (the same on every rank): the keys moved, or the error."""
     movable = {key for key in disagreements if key in flat.shared_if_equal}
     for key in movable:
         if key in flat.tensors:
