@@ -135,7 +135,35 @@ def _one(world: int, params: int) -> tuple[dict[str, Any], bytes]:
         "peak / .metadata": (records_bytes + peak) / metadata_bytes,
         "replayed save: rank-0 planning s": replayed_seconds,
     }
+    row.update(_start_round(world, params))
     return row, b"".join(chunks)
+
+
+def _start_round(world: int, params: int) -> dict[str, Any]:
+    """The first save's replica and coverage check on rank 0 (every rank ran it before, on all-gathered boxes)."""
+    from shardpoint.state.replicas import survey
+
+    nbytes = _ROWS * _COLUMNS * 4
+    extents = [((world * _ROWS, _COLUMNS), 0)] * params
+    boxes = [
+        (
+            [
+                ((f"model.layers.{p}.weight", (r * _ROWS, 0), (_ROWS, _COLUMNS), ()), nbytes, False)
+                for p in range(params)
+            ],
+            0,
+            extents,
+        )
+        for r in range(world)
+    ]
+    start = time.perf_counter()
+    parts = survey(boxes)
+    seconds = time.perf_counter() - start
+    return {
+        "start round: rank-0 check s (before: every rank)": seconds,
+        "start round: received per rank B (before: all-gathered)": f"{len(pickle.dumps(parts[-1]))} "
+        f"({world * len(pickle.dumps(boxes[-1]))})",
+    }
 
 
 def _local_plan(rank: int, world: int, params: int) -> Any:

@@ -42,7 +42,7 @@ from shardpoint.parallel import comm
 from shardpoint.state import coverage
 from shardpoint.state.train_state import FlatState
 
-__all__ = ["ReplicaReport", "box_of", "check_replicas", "compare", "fingerprint", "hashes_of", "settle"]
+__all__ = ["ReplicaReport", "box_of", "check_replicas", "compare", "fingerprint", "hashes_of", "settle", "survey"]
 
 _Box = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # key, offset, shape, scope
 
@@ -98,7 +98,7 @@ def check_replicas(
         return local, rank_local_bytes, coverage.extents(flat.tensors.values())
 
     problems, total, shared, always, elsewhere, anything = comm.plan_at_root(
-        describe, _survey, "finding replicated tensors", group
+        describe, survey, "finding replicated tensors", group
     )
     if problems:
         raise ShardingError(problems)
@@ -121,8 +121,8 @@ def check_replicas(
     return report
 
 
-def _survey(gathered: list[tuple[list, int, list]]) -> list[tuple]:
-    """Rank 0: from every rank's boxes, each rank's answer (see :func:`check_replicas`), by index into its boxes."""
+def survey(gathered: list[tuple[list, int, list]]) -> list[tuple]:
+    """Rank 0's part of :func:`check_replicas`: each rank's answer from every rank's boxes, by index into its boxes."""
     world = len(gathered)
     try:
         coverage.check_tiling(
