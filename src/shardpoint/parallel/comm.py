@@ -371,11 +371,7 @@ def decide_at_root(value: Any, error: BaseException | None, decide: Callable[[li
     verdict: dict[int, str | None] = {}
     result, root_error = None, None
     if gathered is not None:  # rank 0 (or a single process)
-        verdict = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
-        if not verdict:
-            result, root_error = _attempt(lambda: decide([v for _, v in gathered]))
-            if root_error is not None:
-                verdict = {rank(): _summary(root_error)}
+        result, root_error, verdict = _at_root(gathered, decide)
     verdict = broadcast(verdict, what=what)
     _raise_failures(error or root_error, verdict, what)
     return result
@@ -392,20 +388,24 @@ def plan_at_root(step: Callable[[], Any], plan: Callable[[list[Any]], list[Any]]
     value, error = _attempt(step)
     gathered = gather_to((_summary(error), None if error else value), 0, group, what=what)
     parts: list[Any] = [None] * world_size()
-    verdict: dict[int, str | None] = {}
     root_error = None
     if gathered is not None:  # rank 0 (or a single process)
-        verdict = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
-        if not verdict:
-            planned, root_error = _attempt(lambda: plan([v for _, v in gathered]))
-            if root_error is not None:
-                verdict = {rank(): _summary(root_error)}
-            else:
-                parts = list(planned or parts)
-        parts = [(verdict, part) for part in parts]
+        planned, root_error, verdict = _at_root(gathered, plan)
+        parts = [(verdict, part) for part in (planned or parts)]
     verdict, part = scatter_from(parts if gathered is not None else None, group=group, what=what)
     _raise_failures(error or root_error, verdict, what)
     return part
+
+
+def _at_root(
+    gathered: list[tuple[str | None, Any]], run: Callable[[list[Any]], T]
+) -> tuple[T | None, BaseException | None, dict[int, str | None]]:
+    """Rank 0: ``run`` on every rank's value unless a rank failed; its result, its failure and the verdict."""
+    verdict = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
+    if verdict:
+        return None, None, verdict
+    result, error = _attempt(lambda: run([v for _, v in gathered]))
+    return result, error, ({} if error is None else {rank(): _summary(error)})
 
 
 def _attempt(step: Callable[[], T]) -> tuple[T | None, BaseException | None]:
