@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,17 +63,27 @@ def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
     return found
 
 
-def test_the_exported_mixtral_computes_megatrons_logits_in_place_and_after_import(batch, tmp_path):
-    imported = run_cli("convert", "--from", "megatron", MIXTRAL / "ckpt", tmp_path / "dist", "--json")
+def exported_both_ways(fixture: Path, architecture: str, tmp_path: Path) -> Iterator[tuple[str, dict, dict, dict]]:
+    """The Megatron ``fixture`` exported to HF as it is and after importing it, through the CLI.
+
+    Yields ``(name, the export's report, its config.json, the fixture's hf_config.json)``
+    once each export succeeded as ``architecture`` (2 layers, vocabulary 128); the
+    export lies in ``tmp_path / name``.
+    """
+    imported = run_cli("convert", "--from", "megatron", fixture / "ckpt", tmp_path / "dist", "--json")
     assert imported.rc == 0, imported.err
-    reference = json.loads((MIXTRAL / "hf_config.json").read_text())
-    for name, source in (("in-place", MIXTRAL / "ckpt"), ("imported", tmp_path / "dist")):
+    reference = json.loads((fixture / "hf_config.json").read_text())
+    for name, source in (("in-place", fixture / "ckpt"), ("imported", tmp_path / "dist")):
         result = run_cli("export", source, "--to", "hf", tmp_path / name, "--json")
         assert result.rc == 0, result.err
         report = result.json()
-        assert (report["architecture"], report["layers"], report["vocab_size"]) == ("MixtralForCausalLM", 2, 128)
+        assert (report["architecture"], report["layers"], report["vocab_size"]) == (architecture, 2, 128)
+        yield name, report, json.loads((tmp_path / name / "config.json").read_text()), reference
+
+
+def test_the_exported_mixtral_computes_megatrons_logits_in_place_and_after_import(batch, tmp_path):
+    for name, report, config, reference in exported_both_ways(MIXTRAL, "MixtralForCausalLM", tmp_path):
         assert report["imported"] == (name == "imported")
-        config = json.loads((tmp_path / name / "config.json").read_text())
         for key in (
             "num_local_experts",
             "num_experts_per_tok",

@@ -24,7 +24,14 @@ from shardpoint.foreign.hf_import import read_hf
 from tests.distributed import launch
 from tests.test_cli_commands import run_cli
 from tests.test_foreign_import import MOMENTS, assert_equal, params_of
-from tests.test_foreign_mixtral import MIXTRAL, _load_weights, assert_export_refused, check_ep_rank, tensors_of
+from tests.test_foreign_mixtral import (
+    MIXTRAL,
+    _load_weights,
+    assert_export_refused,
+    check_ep_rank,
+    exported_both_ways,
+    tensors_of,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,15 +48,7 @@ def hf_model(directory: Path) -> torch.nn.Module:
 
 def test_the_exported_qwen3_moe_computes_megatrons_logits_in_place_and_after_import(tmp_path):
     batch = torch.load(QWEN3 / "logits.pt", weights_only=True)  # Megatron's own forward, ep=2
-    imported = run_cli("convert", "--from", "megatron", QWEN3 / "ckpt", tmp_path / "dist", "--json")
-    assert imported.rc == 0, imported.err
-    reference = json.loads((QWEN3 / "hf_config.json").read_text())
-    for name, source in (("in-place", QWEN3 / "ckpt"), ("imported", tmp_path / "dist")):
-        result = run_cli("export", source, "--to", "hf", tmp_path / name, "--json")
-        assert result.rc == 0, result.err
-        report = result.json()
-        assert (report["architecture"], report["layers"], report["vocab_size"]) == ("Qwen3MoeForCausalLM", 2, 128)
-        config = json.loads((tmp_path / name / "config.json").read_text())
+    for name, _, config, reference in exported_both_ways(QWEN3, "Qwen3MoeForCausalLM", tmp_path):
         for key in (
             "num_experts",
             "num_experts_per_tok",

@@ -127,3 +127,18 @@ def test_the_outline_is_small_and_a_part_holds_only_its_ranks_chunks():
         assert not part.sends and not len(part.receives)  # nothing to share: every chunk has one needer
         mine, _ = part.metadata(outline, saved)
         assert {i.offset[0] for i in mine.storage_data} == {rank * 4}
+
+
+def test_a_chunk_with_no_stored_data_is_named_as_damage():
+    """A ``.metadata`` whose chunk list and storage records disagree is refused by key, not read as zeros."""
+    import pytest
+
+    from shardpoint.errors import CorruptCheckpointError
+
+    metadata = _metadata(random.Random(5), {"model.w": (6, 4)})
+    dropped = next(iter(metadata.storage_data))
+    del metadata.storage_data[dropped]
+    outline, saved = outline_of(metadata), ["model.w"]
+    request = _request({"model.w": ((0, 0), (6, 4))}, outline, saved)
+    with pytest.raises(CorruptCheckpointError, match="'model.w' with no stored data; it is damaged"):
+        load_parts.plan(metadata, [request], False, 1 << 30, "here")

@@ -411,7 +411,7 @@ class DistFormat:
         def prepare() -> load_parts.Request:
             if ctx.checks is not None:
                 ctx.checks()  # the pipeline's file checks: their outcome rides on this round's
-            local["targets"], local["plan"] = targets, _ = self._targets(ctx, flat, meta, outline)
+            targets, local["plan"] = self._targets(ctx, flat, meta, outline)
             _check_shapes(targets, outline, meta, ctx, flat)
             local["present"] = present = {k: s for k, s in targets.items() if k in outline.state_dict_metadata}
             keys = wanted_summary(targets, saved)  # bits, not names: rank 0 receives every rank's

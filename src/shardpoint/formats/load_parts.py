@@ -246,7 +246,8 @@ def _shared_parts(
     parts = []
     for r in range(world):
         mine = slice(bounds[r], bounds[r + 1])
-        positions = _union(at[mine], np.fromiter(sends[r], np.int64, len(sends[r])))
+        sent = np.fromiter(sends[r], np.int64, len(sends[r]))
+        positions = read_plan.distinct(np.sort(np.concatenate((at[mine], sent))))
         part = _part(table, positions, missing, unexpected)
         part.shared, part.needed, part.kinds, part.sends = True, needed, kinds, sends[r]
         part.readers = reader_of_file[table.file[positions]].astype(np.int32)
@@ -254,12 +255,6 @@ def _shared_parts(
         part.direct = at[mine][~receiving[mine] & (reader[mine] != r)]
         parts.append(part)
     return parts
-
-
-def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Sorted, each once. Not ``np.union1d``: it imports ``numpy.ma``, 0.4 MB of reads on a first load."""
-    both = np.sort(np.concatenate((a, b)))
-    return both[np.concatenate(([True], both[1:] != both[:-1]))] if len(both) else both
 
 
 def _part(table: _Table, positions: np.ndarray, missing: list[str], unexpected: list[str]) -> Part:

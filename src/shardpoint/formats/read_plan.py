@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Need", "Needs", "plan_reads", "plan_sharing"]
+__all__ = ["Need", "Needs", "distinct", "plan_reads", "plan_sharing"]
 
 #: what a rank needs of one stored item: its stored bytes, and whether it is exactly one of
 #: the rank's targets (received into it, no buffer)
@@ -55,12 +55,16 @@ class Needs:
         return cls(world, ranks[order], at[order], lengths[order], exact[order])
 
     def items(self) -> np.ndarray:
-        """The stored items some rank needs, ascending (the rows are sorted by item already).
+        """The stored items some rank needs, ascending (the rows are sorted by item already)."""
+        return distinct(self.positions)
 
-        Not ``np.unique``: it imports ``numpy.ma`` on first use, 0.4 MB of reads on every rank's first load.
-        """
-        at = self.positions
-        return at[np.concatenate(([True], at[1:] != at[:-1]))] if len(at) else at
+
+def distinct(ordered: np.ndarray) -> np.ndarray:
+    """Each value of the sorted ``ordered`` once.
+
+    Not ``np.unique`` or ``np.union1d``: they import ``numpy.ma`` on first use, 0.4 MB of reads on a first load.
+    """
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if len(ordered) else ordered
 
 
 def plan_reads(needs: Needs, files: Sequence[str]) -> dict[str, int]:

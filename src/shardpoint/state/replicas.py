@@ -51,8 +51,9 @@ _Box = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # key, off
 class ReplicaReport:
     """What :func:`check_replicas` found: the bytes the whole job writes, each shared box once.
 
-    ``shared`` are the boxes several ranks hold, ``always`` those of them that are
-    ``shared_if_equal`` values (hashed at every save). A later save of the same
+    ``shared`` are this rank's boxes that other ranks hold too, ``always`` those of them
+    that are ``shared_if_equal`` values (hashed at every save); rank 0 found them
+    (:func:`survey`), and no rank holds the others' boxes. A later save of the same
     structure hashes them again without gathering the boxes (:func:`hashes_of`, :func:`compare`).
     """
 
