@@ -23,7 +23,6 @@ from shardpoint.storage.base import LocalStorage
 from shardpoint.tier.choose import PEER, Choice, marker_of
 from shardpoint.tier.marker import mark_copy, publish_copy, tmp_copy_dir
 from shardpoint.tier.replicate import Transfer, exchange
-from shardpoint.tier.snapshot import DATA_FILE
 
 __all__ = ["fetch"]
 
@@ -33,15 +32,19 @@ log = logging.getLogger(__name__)
 def fetch(storage: LocalStorage, root: str, choice: Choice) -> str:
     """Collective: this rank's copy directory to load from, fetched from its peer when needed.
 
+    Every file the copy's marker lists is fetched (``state.pt``, ``frozen.pt``, ...):
+    the copy published here must be whole, as the one it was sent from.
+
     Raises:
         CorruptCheckpointError: on every rank, when a received file differs from its
             record or could not be stored (the caller then uses the persistent store).
     """
     me = comm.rank()
     transfers = [
-        Transfer(owner, s.server, owner, DATA_FILE, s.offer.files[DATA_FILE].size)
+        Transfer(owner, s.server, owner, name, record.size)
         for owner, s in sorted(choice.sources.items())
         if s.tier == PEER
+        for name, record in sorted(s.offer.files.items())
     ]
     mine = choice.sources[me]
     tmp = tmp_copy_dir(storage, root, choice.iteration, me) if mine.tier == PEER else None
@@ -54,8 +57,8 @@ def fetch(storage: LocalStorage, root: str, choice: Choice) -> str:
             errors.append(f"cannot create {tmp}: {exc}")
         received, exchange_errors = exchange(
             transfers,
-            lambda t: open(storage.join(choice.sources[t.owner].offer.path, DATA_FILE), "rb"),  # noqa: SIM115
-            lambda t: storage.open_write(storage.join(tmp, DATA_FILE)),
+            lambda t: open(storage.join(choice.sources[t.owner].offer.path, t.name), "rb"),  # noqa: SIM115
+            lambda t: storage.open_write(storage.join(tmp, t.name)),
             comm.control_group(),
         )
         errors += exchange_errors
@@ -65,13 +68,16 @@ def fetch(storage: LocalStorage, root: str, choice: Choice) -> str:
                 if errors:
                     raise CorruptCheckpointError("; ".join(errors))
                 return mine.offer.path
-            expected = mine.offer.files[DATA_FILE]
-            got = next(iter(received.values()))
-            if errors or got != expected:
-                problem = "; ".join(errors) or f"received {got}, the copy's marker records {expected}"
+            got = {t.name: record for t, record in received.items()}
+            wrong = [
+                f"{name}: received {got.get(name)}, the copy's marker records {expected}"
+                for name, expected in sorted(mine.offer.files.items())
+                if got.get(name) != expected
+            ]
+            if errors or wrong:
                 raise CorruptCheckpointError(
                     f"fetching rank {me}'s local-tier files of iteration {choice.iteration} from rank "
-                    f"{mine.server} ({mine.offer.path}) failed: {problem}"
+                    f"{mine.server} ({mine.offer.path}) failed: {'; '.join(errors + wrong)}"
                 )
             mark_copy(storage, tmp, marker_of(mine.offer))
             return publish_copy(storage, tmp, me)
@@ -85,7 +91,7 @@ def fetch(storage: LocalStorage, root: str, choice: Choice) -> str:
         log.info(
             "rank %d: received %s of iteration %d from rank %d into %s",
             me,
-            DATA_FILE,
+            ", ".join(sorted(mine.offer.files)),
             choice.iteration,
             mine.server,
             path,

@@ -4,7 +4,7 @@ Every rank runs the same sequence::
 
     stage        the state into a reused host slab (the stall: one memory copy, as async_save)
     --- background thread, on the tier's own gloo group ---
-    write        this rank's state.pt into a temporary directory of its run's directory of local_dir
+    write        this rank's files (state.pt, frozen.pt) into a temporary directory of its run's directory of local_dir
     agree        every rank's record (size, checksum) to every rank, and rank 0's save id
                  (time and a random token), which every copy of this save records (one all-gather)
     replicate    each file to its holders on other nodes (shardpoint.tier.replicate);
@@ -54,7 +54,7 @@ from shardpoint.tier.marker import LocalMarker, mark_copy, publish_copy, tmp_cop
 from shardpoint.tier.placement import Nodes, held_by
 from shardpoint.tier.replicate import Transfer, exchange
 from shardpoint.tier.retention import prune_node
-from shardpoint.tier.snapshot import DATA_FILE, LocalSnapshotFormat
+from shardpoint.tier.snapshot import LocalSnapshotFormat
 
 __all__ = ["LocalSaver", "LocalTimes"]
 
@@ -66,7 +66,7 @@ class LocalTimes:
     """What local-tier saves cost (``Checkpointer.local_times``)."""
 
     last_stall_seconds: float = 0.0  # save() until training resumed: the snapshot into host memory
-    last_write_seconds: float = 0.0  # background: this rank's state.pt
+    last_write_seconds: float = 0.0  # background: this rank's files
     last_replicate_seconds: float = 0.0  # background: sending and receiving replicas
     last_replicated_bytes: int = 0  # sent plus received by this rank
     last_background_seconds: float = 0.0
@@ -197,13 +197,18 @@ class LocalSaver:
         return copies
 
     def _replicate(self, pending: _Pending, own_tmp: str, records: list[dict[str, FileRecord]]) -> dict[int, str]:
-        """Send this rank's file to its holders, receive the files of the owners it holds; returns owner -> tmp dir."""
+        """Send this rank's files to its holders, receive the files of the owners it holds; returns owner -> tmp dir.
+
+        Every file an owner's record lists travels (``state.pt``, ``frozen.pt``, ...): the
+        replica's marker lists them all, and a copy lacking one is damaged, not a copy.
+        """
         me, iteration = comm.rank(), pending.iteration
         began = time.perf_counter()
         transfers = [
-            Transfer(owner, owner, holder, DATA_FILE, records[owner][DATA_FILE].size)
+            Transfer(owner, owner, holder, name, record.size)
             for owner, holders in sorted(self.placement.items())
             for holder in holders
+            for name, record in sorted(records[owner].items())
         ]
         owners = held_by(self.placement, me)
         incoming = {owner: tmp_copy_dir(self.storage, self.root, iteration, owner) for owner in owners}
@@ -213,19 +218,18 @@ class LocalSaver:
                 self._new_tmp(pending, tmp)
             except OSError as exc:  # received bytes are then discarded: every sender must still be served
                 errors.append(f"cannot create {tmp}: {exc}")
-        own_file = self.storage.join(own_tmp, DATA_FILE)
         received, exchange_errors = exchange(
             transfers,
-            lambda t: open(own_file, "rb"),  # noqa: SIM115 - exchange enters and closes it
-            lambda t: self.storage.open_write(self.storage.join(incoming[t.owner], DATA_FILE)),
+            lambda t: open(self.storage.join(own_tmp, t.name), "rb"),  # noqa: SIM115 - exchange enters and closes it
+            lambda t: self.storage.open_write(self.storage.join(incoming[t.owner], t.name)),
             self.group,
         )
         errors += exchange_errors
         for t, record in received.items():
-            if record != records[t.owner][DATA_FILE]:
+            if record != records[t.owner][t.name]:
                 errors.append(
-                    f"the replica of rank {t.owner}'s {DATA_FILE} received from rank {t.source} has "
-                    f"{record}, not the {records[t.owner][DATA_FILE]} it was sent with"
+                    f"the replica of rank {t.owner}'s {t.name} received from rank {t.source} has "
+                    f"{record}, not the {records[t.owner][t.name]} it was sent with"
                 )
         self.times.last_replicate_seconds = time.perf_counter() - began
         self.times.last_replicated_bytes = sum(t.size for t in transfers if me in (t.source, t.target))

@@ -3,8 +3,9 @@
 Replication (after each local save, on the tier's own background group) and fetching
 (a replacement node taking its ranks' files from peers at load, on the control
 group) are the same operation: a list of :class:`Transfer` that every rank knows,
-each sending one file from ``source`` to ``target`` as CPU ``uint8`` tensors
-(invariant 13: never through the trainer's groups, never a pickled payload).
+each sending one file from ``source`` to ``target`` (every file a copy's marker lists
+is one transfer, with a tag of its own) as CPU ``uint8`` tensors (invariant 13: never
+through the trainer's groups, never a pickled payload).
 
 Files travel in chunks of :data:`CHUNK` bytes, in rounds: in round ``c`` every rank
 posts the ``isend`` / ``irecv`` of chunk ``c`` of each of its transfers, then waits
@@ -72,6 +73,7 @@ def exchange(
     Ranks with no transfer return at once; nothing here is a collective of all ranks.
     """
     me = comm.rank()
+    tags = {t: i for i, t in enumerate(transfers)}  # one tag per transfer: two files of one owner never cross
     sends = [t for t in transfers if t.source == me and t.target != me]
     recvs = [t for t in transfers if t.target == me and t.source != me]
     errors: list[str] = []
@@ -85,11 +87,11 @@ def exchange(
             for t in sends:
                 if c < t.chunks(chunk):
                     data = _read_chunk(readers[t], buffers[t], t, c, chunk, errors)
-                    ops.append(dist.isend(data, t.target, group=group, tag=t.owner))
+                    ops.append(dist.isend(data, t.target, group=group, tag=tags[t]))
             for t in recvs:
                 if c < t.chunks(chunk):
                     buffer = buffers[t][: min(chunk, t.size - c * chunk)]
-                    ops.append(dist.irecv(buffer, t.source, group=group, tag=t.owner))
+                    ops.append(dist.irecv(buffer, t.source, group=group, tag=tags[t]))
                     incoming.append((t, buffer))
             for op in ops:
                 op.wait()
