@@ -467,7 +467,7 @@ def test_frozen_tensors_unchanged_since_the_last_local_save_are_linked_not_writt
     ckpt.close()
     snaps[4] = toy.snapshot(state)
     assert (_run(local, persistent) / "local_0000004/rank_00000/frozen.pt").stat().st_ino != inodes[3]
-    for it in (4, 3):  # the newest first: loading an older iteration forgets the newer copies
+    for it in (4, 3):  # the newest, then an explicit older one (which deletes nothing)
         fresh = frozen_state(topo)
         for p in fresh.model.parameters():
             p.data.zero_()

@@ -70,3 +70,42 @@ def test_a_lost_node_resumes_its_frozen_base_from_the_replica(tmp_path):
     # the fetch gave node 1 its own copy of iteration 4 again, frozen.pt included
     fetched = Path(base) / "node1" / run_dir_name(f"{base}/persistent") / "local_0000004" / "rank_00001"
     assert (4, 1) in resumed[1]["held"] and (fetched / "frozen.pt").exists()
+
+
+def test_an_explicit_older_iteration_load_deletes_no_newer_copy(tmp_path):
+    """Issue 54 (unconfirmed item, confirmed): a job loading ``iteration=N`` (an evaluation sharing local_dir)
+    used to delete every local copy newer than N, from the local tier or from the persistent store;
+    it now reads only, and the training job still resumes from its newest local copy."""
+    topo = sp.Topology(1, 1, 1)
+
+    def checkpointer() -> sp.Checkpointer:
+        return sp.Checkpointer(
+            str(tmp_path / "p"),
+            topology=topo,
+            save_interval=4,
+            local_dir=str(tmp_path / "l"),
+            local_interval=1,
+            local_keep=3,
+        )
+
+    state, train = toy.build(topo), checkpointer()
+    snaps = {}
+    for it in range(1, 7):
+        toy.train_step(state, it)
+        train.maybe_save(it, state)  # persistent at 4, local at 1, 2, 3, 5, 6 (3 kept)
+        train.wait()
+        snaps[it] = toy.snapshot(state)
+    held = sorted(c.iteration for c in held_copies(train.local_tier.storage, train.local_tier.root))
+    assert held == [3, 5, 6]
+    for it, tier in ((3, "local"), (4, "persistent")):  # an evaluation of an older checkpoint, then close
+        fresh, evaluation = toy.build(topo), checkpointer()
+        result = evaluation.load(fresh, iteration=it)
+        evaluation.close()
+        assert (result.iteration, result.tier) == (it, tier)
+        _same(snaps[it], toy.snapshot(fresh))
+        assert sorted(c.iteration for c in held_copies(train.local_tier.storage, train.local_tier.root)) == held
+    fresh = toy.build(topo)
+    result = train.load(fresh)
+    train.close()
+    assert (result.iteration, result.tier) == (6, "local")
+    _same(snaps[6], toy.snapshot(fresh))

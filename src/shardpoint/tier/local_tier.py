@@ -191,13 +191,13 @@ class LocalTier:
                 break
             result = self._load_choice(state, opts, loader, choice)
             if result is not None:
-                self._forget_newer(choice.iteration, tried)
+                self._forget_newer(choice.iteration, tried, opts)
                 return result
             tried.append(choice.save)
         if error is not None:
             raise error
         result = loader.run(state, opts) if opts.iteration is not None else loader.run_found(state, opts, found)
-        self._forget_newer(result.iteration if result else 0, tried)
+        self._forget_newer(result.iteration if result else 0, tried, opts)
         if result is not None:
             log.info(
                 "rank %d loaded iteration %d from the persistent store %s", comm.rank(), result.iteration, result.path
@@ -220,15 +220,19 @@ class LocalTier:
         )
         return loader.run_opened(state, opts, LocalSnapshotFormat(), self.storage, path, meta, tiers)
 
-    def _forget_newer(self, iteration: int, failed: list[tuple[int, str]]) -> None:
-        """Each leader: local copies newer than what was loaded belong to an abandoned future; delete them.
+    def _forget_newer(self, iteration: int, failed: list[tuple[int, str]], opts: LoadOptions) -> None:
+        """Each leader: local copies newer than what a resume loaded belong to an abandoned future; delete them.
 
-        Spared: the saves that were tried and failed (``failed``: a damaged copy of one
-        rank, a fetch that a full disk refused; the other copies are intact and the next
-        local commit prunes them), and copies of other layouts (a job at another layout
-        that only loads, an evaluation, must not wipe the training job's tier).
+        Only after a load of the newest checkpoint (no ``iteration=``): a load of an
+        explicit older iteration reads only (an evaluation sharing ``local_dir`` must not
+        wipe the training job's newer copies; a job that rolls back and trains on prunes
+        them at its first local commit, :mod:`~shardpoint.tier.retention`). Spared too:
+        the saves that were tried and failed (``failed``: a damaged copy of one rank, a
+        fetch that a full disk refused; the other copies are intact and the next local
+        commit prunes them), and copies of other layouts (a job at another layout that
+        only loads must not wipe the training job's tier).
         """
-        if self.is_leader:
+        if self.is_leader and opts.iteration is None:
             prune_node(
                 self.storage,
                 self.root,

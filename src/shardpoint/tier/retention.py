@@ -3,8 +3,9 @@
 After each local commit, the node's leader deletes from its ``local_dir`` every
 committed copy that (after a load, only the first rule applies):
 
-- belongs to an iteration newer than the one just committed or loaded: a future
-  that training abandoned (a restart from an older checkpoint); after a load, the
+- belongs to an iteration newer than the one just committed or resumed from (a load
+  of the newest, never one of an explicit ``iteration=``): a future that training
+  abandoned (a restart from an older checkpoint); after a load, the
   saves that were tried and failed are spared (their intact copies are only pruned
   by the next commit, never because one copy was damaged);
 - was saved at another layout (the tier is bound to its layout, nothing could load it);
