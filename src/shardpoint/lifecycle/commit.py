@@ -4,15 +4,15 @@ A save goes through three states, and only the last one is ever loaded:
 
 1. **partial** — ranks write into ``.shardpoint-tmp-<name>-<token>/`` beside the
    final directory. A crash here leaves a directory no reader looks at; the next
-   Checkpointer start removes it. On object storage (no rename) ranks write under
-   the final prefix, after rank 0 has put an in-progress object
-   (``.shardpoint-in-progress``, naming the save) there: only prefixes holding it are
-   ever removed as leftovers, so checkpoints of other tools (Megatron-LM, GPT-NeoX)
-   in the same bucket are never touched.
+   Checkpointer start removes it. On object storage (no rename) too: the staging
+   prefix holds an in-progress note naming the save, and a checkpoint of the same
+   name stays as it is until the commit (see "object storage: staged saves" below).
 2. **committed** — rank 0 writes ``shardpoint.json`` (the marker, listing every file
    with size and checksum) into the temporary directory, fsyncs, and renames the
    directory to its final name. A directory is a checkpoint if and only if it holds
    a valid marker, so a reader never needs the rename to be atomic with the data.
+   On object storage a create-only claim decides which of two saves of one name
+   commits, and the staged files are copied into place, marker last.
 3. **latest** — only then is the tracker file replaced (temp file, fsync,
    ``os.replace``, fsync of the directory). Killing any rank at any moment leaves
    the tracker naming the previous committed checkpoint.
@@ -24,8 +24,10 @@ marker is what object stores (which cannot rename) rely on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ __all__ = [
     "begin",
     "clean_leftovers",
     "detect_layout",
+    "discard",
     "list_checkpoints",
     "publish",
     "read_marker",
@@ -55,6 +58,9 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = ".shardpoint-tmp-"
 TRASH_PREFIX = ".shardpoint-trash-"
 IN_PROGRESS_NAME = ".shardpoint-in-progress"
+CLAIM_PREFIX = ".shardpoint-commit-"  # object storage: <name>/.shardpoint-commit-<digest>, see _switch
+LEFTOVER_AGE_ENV = "SHARDPOINT_LEFTOVER_AGE"
+DEFAULT_LEFTOVER_AGE = 6 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -73,26 +79,17 @@ class CheckpointEntry:
 
 
 def begin(storage: Storage, root: str, final_name: str) -> str:
-    """Create and return the directory ranks write into (rank 0).
+    """Create and return the directory ranks write into (rank 0): always one of this save's own.
 
-    On storage that can rename, a fresh temporary directory. On object storage,
-    the final prefix itself: a save of an iteration that already exists there first
-    removes the old objects, so no stale file can sit beside the new marker.
+    On storage that can rename, a fresh temporary directory, renamed into place by
+    :func:`publish`. On object storage, a fresh staging prefix beside the final one
+    (:func:`_begin_staged`): the final prefix is left as it is, so a checkpoint of the
+    same name stays loadable until this save commits, and a second job saving the same
+    iteration writes none of the same objects.
     """
     storage.makedirs(root)
     if not storage.supports_rename:
-        final = storage.join(root, final_name)
-        if storage.exists(final):
-            if not _started_by_shardpoint(storage, final):
-                raise CheckpointError(
-                    f"{final} exists and was not written by shardpoint (no {MARKER_NAME}, no {IN_PROGRESS_NAME}); "
-                    "shardpoint never overwrites another tool's checkpoint: save under another prefix"
-                )
-            log.warning("replacing existing %s", final)
-            storage.remove(final)
-        note = {"save": final_name, "token": secrets.token_hex(4), "started": time.time()}
-        storage.write_atomic(storage.join(final, IN_PROGRESS_NAME), json.dumps(note).encode())
-        return final
+        return _begin_staged(storage, root, final_name)
     refuse_foreign(storage, storage.join(root, final_name))  # before any byte: another tool's data stays
     _refuse_referred(storage, root, final_name)
     tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(4)}")
@@ -101,10 +98,32 @@ def begin(storage: Storage, root: str, final_name: str) -> str:
 
 
 def publish(storage: Storage, tmp: str, final: str, meta: CheckpointMetadata) -> None:
-    """Write the marker into ``tmp`` and move it to ``final``: the checkpoint now exists."""
+    """Write the marker into ``tmp`` and move it to ``final``: the checkpoint now exists.
+
+    On object storage the move is :func:`_switch`: a create-only claim decides which of
+    two saves of ``final`` commits, then the staged files are copied into place.
+
+    Raises:
+        ConcurrentSaveError: (object storage) another save of ``final`` claimed it first.
+    """
+    if not storage.supports_rename:
+        _switch(storage, tmp, final, meta.to_json().encode(), sorted(meta.files))
+        return
     write_marker(storage, tmp, meta.to_json().encode())
     storage.publish_dir(tmp, final)
-    _drop_in_progress(storage, final)
+
+
+def discard(storage: Storage, tmp: str) -> None:
+    """Remove the directory of a save that failed, unless (object storage) it won its claim.
+
+    A staging prefix whose claim it won may already have replaced some of the old
+    checkpoint's files: it is kept, and the next saving job finishes its commit
+    (:func:`clean_leftovers`) rather than leave the iteration half-replaced.
+    """
+    if not storage.supports_rename and _won_claim(storage, tmp):
+        log.warning("%s won its claim but did not finish moving into place; the next save finishes it", tmp)
+        return
+    storage.remove(tmp)
 
 
 def write_marker(storage: Storage, directory: str, data: bytes) -> None:
@@ -229,17 +248,22 @@ def retire(storage: Storage, root: str, name: str) -> None:
 def clean_leftovers(storage: Storage, root: str) -> list[str]:
     """Remove what saves that died left behind (rank 0, at start-up).
 
-    Temporary directories on local storage; on object storage, where data is written
-    in place, iteration prefixes that a shardpoint save started (they hold its
-    in-progress object) and that never got their marker. Anything else, such as a
-    Megatron-LM or GPT-NeoX checkpoint in the same place, is left alone.
+    Temporary directories on local storage. On object storage: staging prefixes of
+    saves that died (:func:`_clean_staged`: a save that won its claim is finished, one
+    that did not is removed once older than :func:`leftover_age`, since a younger one
+    may be another job's save in progress), and iteration prefixes that a shardpoint
+    upload or retirement marked in progress and that hold no marker. Anything else,
+    such as a Megatron-LM or GPT-NeoX checkpoint in the same place, is left alone.
     """
     removed = []
     for name in storage.listdir(root):
         path = storage.join(root, name)
         if name.startswith(TRASH_PREFIX) and _restore_trash(storage, root, name):
             continue
-        if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        if not storage.supports_rename and name.startswith(TMP_PREFIX):
+            if _clean_staged(storage, root, name):
+                removed.append(name)
+        elif name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             storage.remove(path)
             removed.append(name)
         elif not storage.supports_rename and _is_checkpoint_name(name) and _has_in_progress(storage, path):
@@ -251,6 +275,168 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
     if removed:
         log.warning("removed %d partial checkpoint(s) left by an interrupted save: %s", len(removed), removed)
     return removed
+
+
+def leftover_age() -> float:
+    """Seconds after its start when an object-store save that did not commit counts as dead.
+
+    Object stores have no lock that dies with its job, so a staging prefix younger than
+    this may be another job's save in progress and is left alone. ``SHARDPOINT_LEFTOVER_AGE``
+    sets it (default 6 hours: longer than any save should take).
+    """
+    return float(os.environ.get(LEFTOVER_AGE_ENV, DEFAULT_LEFTOVER_AGE))
+
+
+# ---------------------------------------------------------------- object storage: staged saves
+#
+# An object store cannot rename, and a checkpoint must stay loadable while a save of the
+# same name is written, so every save writes into a staging prefix of its own
+# (``.shardpoint-tmp-<name>-<token>/``, with an in-progress note naming the marker it
+# found at ``<name>/``). Its commit (:func:`_switch`):
+#
+# 1. the staged marker: the staging prefix now holds the whole checkpoint;
+# 2. the claim ``<name>/.shardpoint-commit-<digest of the marker found at begin>``, created
+#    only if absent: of two saves that began from the same state, exactly one creates it
+#    (the other raises ConcurrentSaveError, and removes only its own staging prefix);
+# 3. server-side copies of the files the marker lists, then the marker (one PUT): the
+#    checkpoint at ``<name>/`` is now this save's;
+# 4. the replaced checkpoint's files that the new marker does not list, the staging
+#    prefix and the claim are removed.
+#
+# A crash before 2 leaves the old checkpoint as it was. A crash inside 3 (a moment of a
+# few small copies for a re-save) is finished by the next saving job (_clean_staged).
+
+
+def _begin_staged(storage: Storage, root: str, final_name: str) -> str:
+    """Object storage: this save's staging prefix, with a note saying what it will replace."""
+    final = storage.join(root, final_name)
+    if storage.exists(final) and not _started_by_shardpoint(storage, final):
+        raise CheckpointError(
+            f"{final} exists and was not written by shardpoint (no {MARKER_NAME}, no {IN_PROGRESS_NAME}); "
+            "shardpoint never overwrites another tool's checkpoint: save under another prefix"
+        )
+    tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(8)}")
+    note = {"save": final_name, "started": time.time(), "base": _marker_digest(storage, final)}
+    storage.write_atomic(storage.join(tmp, IN_PROGRESS_NAME), json.dumps(note).encode())
+    return tmp
+
+
+def _switch(storage: Storage, tmp: str, final: str, marker: bytes, files: list[str]) -> None:
+    """Object storage: commit the staged save ``tmp`` as ``final`` (steps 1 to 4 above)."""
+    base = _read_note(storage, tmp)["base"]
+    storage.write_atomic(storage.join(tmp, MARKER_NAME), marker)
+    claim = _claim(storage, tmp, final, base)
+    _copy_into_place(storage, tmp, final, marker, files)
+    storage.remove(tmp)
+    storage.remove(claim)
+
+
+def _claim(storage: Storage, tmp: str, final: str, base: str) -> str:
+    """Create ``final``'s claim for the state this save began from; the path, or ConcurrentSaveError."""
+    claim = storage.join(final, CLAIM_PREFIX + base)
+    mine = _name_of(tmp).encode()
+    try:
+        storage.write_new(claim, mine)
+    except FileExistsError:
+        try:
+            own = storage.read_bytes(claim) == mine  # a retried create of this save's own claim
+        except FileNotFoundError:
+            own = False  # the other save has committed and removed it meanwhile
+        if not own:
+            raise _concurrent(final) from None
+    if _marker_digest(storage, final) != base:  # another save committed and removed its claim since
+        storage.remove(claim)
+        raise _concurrent(final)
+    return claim
+
+
+def _copy_into_place(storage: Storage, tmp: str, final: str, marker: bytes, files: list[str]) -> None:
+    """Copy the listed files of ``tmp`` over ``final``, then its marker; then drop the replaced files."""
+    replaced = _listed_files(storage, final)
+    faults.hit("mid-switch", 0)
+    storage.copy_many([(storage.join(tmp, name), storage.join(final, name)) for name in files])
+    storage.write_atomic(storage.join(final, MARKER_NAME), marker)
+    for name in sorted(replaced - set(files)):  # the old checkpoint's files only: nothing another save wrote
+        storage.remove(storage.join(final, name))
+
+
+def _clean_staged(storage: Storage, root: str, name: str) -> bool:
+    """A staging prefix found at start-up: finish its commit if it won its claim, else remove it when dead.
+
+    Returns whether it was removed without being committed.
+    """
+    tmp = storage.join(root, name)
+    try:
+        note = _read_note(storage, tmp)
+    except (FileNotFoundError, CorruptCheckpointError):
+        storage.remove(tmp)  # its note is written first and removed last: a dead save, or one being removed
+        return True
+    final = storage.join(root, str(note.get("save", "")))
+    claim = storage.join(final, CLAIM_PREFIX + str(note.get("base", "")))
+    marker = storage.join(tmp, MARKER_NAME)
+    if _won_claim(storage, tmp):
+        data = storage.read_bytes(marker)
+        _copy_into_place(storage, tmp, final, data, sorted(CheckpointMetadata.from_json(data, marker).files))
+        storage.remove(tmp)
+        storage.remove(claim)
+        log.warning("finished committing %s, whose save died while moving it into place", final)
+        return False
+    started = note.get("started")
+    if isinstance(started, (int, float)) and time.time() - started < leftover_age():
+        return False  # maybe another job's save in progress
+    storage.remove(tmp)
+    return True
+
+
+def _won_claim(storage: Storage, tmp: str) -> bool:
+    """Whether the staged save ``tmp`` holds its marker and created its final prefix's claim."""
+    try:
+        note = _read_note(storage, tmp)
+        root, name = tmp.rstrip("/").rsplit("/", 1)
+        claim = storage.join(root, str(note.get("save", "")), CLAIM_PREFIX + note["base"])
+        return storage.exists(storage.join(tmp, MARKER_NAME)) and storage.read_bytes(claim) == name.encode()
+    except (FileNotFoundError, CorruptCheckpointError):
+        return False
+
+
+def _read_note(storage: Storage, tmp: str) -> dict:
+    path = storage.join(tmp, IN_PROGRESS_NAME)
+    try:
+        note = json.loads(storage.read_bytes(path))
+    except (ValueError, UnicodeDecodeError):
+        note = None
+    if not isinstance(note, dict) or not isinstance(note.get("base"), str):
+        raise CorruptCheckpointError(f"{path} is not a shardpoint save's note; remove {tmp}")
+    return note
+
+
+def _marker_digest(storage: Storage, directory: str) -> str:
+    """A short digest of ``directory``'s marker (``none`` without one): the state a save replaces."""
+    try:
+        data = storage.read_bytes(storage.join(directory, MARKER_NAME))
+    except FileNotFoundError:
+        return "none"
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _listed_files(storage: Storage, directory: str) -> set[str]:
+    """The files ``directory``'s marker lists (none when it has no readable marker)."""
+    try:
+        return set(read_marker(storage, directory).files)
+    except CorruptCheckpointError:
+        return set()
+
+
+def _name_of(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _concurrent(final: str) -> ConcurrentSaveError:
+    return ConcurrentSaveError(
+        f"{final} was committed by another writer while this save was writing it (its claim appeared first); "
+        "this save is not committed and the tracker was not moved by it. Two jobs are saving into the same "
+        "directory: give each its own"
+    )
 
 
 def _restore_trash(storage: Storage, root: str, name: str) -> bool:
@@ -280,7 +466,8 @@ def _has_in_progress(storage: Storage, path: str) -> bool:
 
 
 def _started_by_shardpoint(storage: Storage, path: str) -> bool:
-    return storage.exists(storage.join(path, MARKER_NAME)) or _has_in_progress(storage, path)
+    names = storage.listdir(path)
+    return any(n in (MARKER_NAME, IN_PROGRESS_NAME) or n.startswith(CLAIM_PREFIX) for n in names)
 
 
 def _drop_in_progress(storage: Storage, path: str) -> None:

@@ -4,7 +4,8 @@
 itself with SIGKILL when its save reaches ``before-marker``. Several faults may be
 given separated by ``;``. Points, in the order a save reaches them:
 
-``before-data``, ``mid-data``, ``after-data``, ``before-marker``, ``before-tracker``,
+``before-data``, ``mid-data``, ``after-data``, ``before-marker``, ``mid-switch`` (object
+storage: the claim won, before the staged files are copied into place), ``before-tracker``,
 ``during-retention``, ``mid-retention`` (a checkpoint being deleted, after it stopped
 being one); and in local-first mode ``during-upload`` (each rank's background
 upload, before its first object); for the local tier ``local-after-data`` (each rank's
@@ -34,6 +35,7 @@ POINTS = (
     "mid-data",
     "after-data",
     "before-marker",
+    "mid-switch",
     "before-tracker",
     "during-retention",
     "mid-retention",

@@ -32,7 +32,7 @@ import torch
 from shardpoint._version import __version__
 from shardpoint.catalog.layout import Layout
 from shardpoint.catalog.metadata import CheckpointMetadata
-from shardpoint.errors import CheckpointError, ConcurrentSaveError, StorageError
+from shardpoint.errors import CheckpointError, StorageError
 from shardpoint.formats import FormatContext
 from shardpoint.formats.base import CheckpointFormat, write_file, write_torch_file
 from shardpoint.formats.dedup import StoredItems
@@ -319,13 +319,13 @@ class SavePipeline:
                 meta = comm.decide_at_root(
                     part, error, lambda parts: self._commit_all(pending, parts), "writing the checkpoint"
                 ) or _metadata(self, pending.iteration, None, pending.metrics, pending.extra, 0.0)
-        except BaseException as exc:
+        except BaseException:
             if cache is not None:
                 cache.clear()
             if self._stored is not None:
                 self._stored.discard()
-            if self.owns_dir and tmp is not None and not isinstance(exc, ConcurrentSaveError):
-                self.storage.remove(tmp)  # on object storage the final prefix: not when another writer's is there
+            if self.owns_dir and tmp is not None:
+                commit.discard(self.storage, tmp)  # this save's own directory, never another save's
             raise
         if cache is not None:
             cache.commit()

@@ -27,6 +27,7 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, BinaryIO, TypeVar
 
@@ -165,6 +166,17 @@ class ObjectStorage:
 
     def makedirs(self, path: str) -> None:
         """Object stores have no directories."""
+
+    def copy(self, source: str, target: str) -> None:
+        """Copy the object ``source`` to ``target`` inside the store (server-side: no bytes pass through here)."""
+        self._call(target, lambda: self.fs.copy(source, target), writing=True)
+
+    def copy_many(self, pairs: list[tuple[str, str]], threads: int = 16) -> None:
+        """:meth:`copy` each ``(source, target)``, several at once (one request each; the store does the work)."""
+        if not pairs:
+            return
+        with ThreadPoolExecutor(max_workers=min(threads, len(pairs)), thread_name_prefix="shardpoint-copy") as pool:
+            list(pool.map(lambda pair: self.copy(*pair), pairs))
 
     def remove(self, path: str) -> None:
         def rm() -> None:
