@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_bench_json(directory: str, env: dict[str, str] | None = None, ranks: int = 2, *extra: str) -> dict:
@@ -23,6 +24,10 @@ def run_bench_json(directory: str, env: dict[str, str] | None = None, ranks: int
 
 
 def test_bench_reports_every_measurement_and_target(tmp_path):
+    killed = killed_bench(tmp_path / "disk")
+    user = tmp_path / "disk" / f"run-{dead_pid()}"  # a user's folder beside the bench's (issue 54, defect 4)
+    user.mkdir()
+    (user / "model_final.pt").write_bytes(b"a week of training")
     report = run_bench_json(str(tmp_path / "disk"))
     names = {row["name"] for row in report["rows"]}
     for expected in (
@@ -42,7 +47,9 @@ def test_bench_reports_every_measurement_and_target(tmp_path):
     assert all(isinstance(check["met"], bool) for check in report["ratios"].values())
     written = report["bytes_written_per_rank"]
     assert len(written) == 2 and all(b >= report["state_bytes_per_rank"] for b in written)
-    assert not any((tmp_path / "disk").iterdir())  # the bench cleans up after itself
+    # the bench cleans up after itself and after a killed bench, and leaves the user's folder as it was
+    assert [p.name for p in (tmp_path / "disk").iterdir()] == [user.name] and not killed.exists()
+    assert [p.name for p in user.iterdir()] == ["model_final.pt"]
 
 
 def test_bench_measures_a_bf16_preset(tmp_path):
@@ -112,19 +119,59 @@ def test_the_lora_preset_stores_the_frozen_base_once_and_reports_both_rows(tmp_p
     assert not any((tmp_path / "disk").iterdir())
 
 
-def test_a_bench_run_removes_what_killed_runs_left_and_nothing_else(tmp_path):
-    """A killed bench leaves checkpoints behind (in /dev/shm: memory); the next run removes them, not live ones."""
-    import os
-
-    from shardpoint.commands.bench_dirs import run_dir
-
+def dead_pid() -> int:
+    """The pid of a process that has exited."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (tmp_path / f"run-{gone.pid}" / "iter_0000001").mkdir(parents=True)
-    (tmp_path / f"run-{os.getppid()}").mkdir()  # a run still going (this test's parent process)
+    return gone.pid
+
+
+def killed_bench(directory: Path) -> Path:
+    """What a bench killed before its clean-up leaves: its marked folder, with a checkpoint in it."""
+    from shardpoint.commands.bench_dirs import BENCH_MARKER
+
+    pid = dead_pid()
+    folder = directory / f"run-{pid}"
+    (folder / "iter_0000001").mkdir(parents=True)
+    (folder / BENCH_MARKER).write_text(str(pid))
+    return folder
+
+
+def test_a_bench_run_removes_what_killed_runs_left_and_nothing_else(tmp_path):
+    """A killed bench leaves checkpoints behind (in /dev/shm: memory); the next run removes them, not live ones,
+    and not a user's folder that merely looks like a run's (issue 54, defect 4)."""
+    import os
+
+    from shardpoint.commands.bench_dirs import BENCH_MARKER, run_dir
+
+    killed = killed_bench(tmp_path)
+    user = tmp_path / f"run-{dead_pid()}"  # a user's experiment whose number is no live pid
+    user.mkdir()
+    (user / "model_final.pt").write_bytes(b"a week of training")
+    live = tmp_path / f"run-{os.getppid()}"  # a run still going (this test's parent process)
+    live.mkdir()
+    (live / BENCH_MARKER).write_text(str(os.getppid()))
     (tmp_path / "run-notes").mkdir()  # not a run's folder
     path = run_dir(str(tmp_path), "run")
     assert path == str(tmp_path / f"run-{os.getpid()}") and os.path.isdir(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"run-{os.getppid()}", "run-notes", f"run-{os.getpid()}"]
+        [f"run-{os.getppid()}", "run-notes", f"run-{os.getpid()}", user.name]
     )
+    assert not killed.exists()
+    assert (user / "model_final.pt").read_bytes() == b"a week of training"
+
+
+def test_a_user_folder_named_as_this_bench_would_name_its_own_is_refused_not_taken(tmp_path):
+    """The bench deletes its folder when done: a user's ``run-<this pid>`` must not become it."""
+    import os
+
+    import pytest
+
+    from shardpoint.commands.bench_dirs import run_dir
+
+    user = tmp_path / f"run-{os.getpid()}"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not this bench's"):
+        run_dir(str(tmp_path), "run")
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]
