@@ -59,6 +59,10 @@ class FormatContext:
     # loads: the pipeline's checks of the checkpoint's files, for a format whose load runs them in its first
     # agreement round (``checks_in_first_round``), to save a round; None: the pipeline ran them already
     checks: Callable[[], None] | None = None
+    # loads: the pipeline's restore of what the read returned (optimizer shards, scheduler, RNG, stateful), for a
+    # format whose load runs it as the last step of its last agreement round (``restores_in_last_round``), once
+    # every tensor is in place: a failure on one rank then reaches every rank without a round of its own
+    restore: Callable[[Loaded], None] | None = None
     # saves: the frozen items earlier checkpoints hold (formats.dedup.StoredItems), or None: write everything
     dedup: Any = None
     for_coordinator: Any = None  # saves: what this rank's save() leaves for the format's finish() on rank 0

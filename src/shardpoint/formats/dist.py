@@ -348,6 +348,7 @@ class DistFormat:
     shared_reads = True  # replicas split the reading (formats.shared_reads); False: every rank reads its own
     exchange_route = "auto"  # how shared reads pass chunks on (shared_reads.route_for): auto, control, trainer
     checks_in_first_round = True  # load runs ``ctx.checks`` inside its plan round (see LoadPipeline._verify)
+    restores_in_last_round = True  # and ``ctx.restore`` inside its last round (see LoadPipeline._read_and_restore)
 
     def save(self, ctx: FormatContext, flat: FlatState) -> dict[str, FileRecord]:
         rank = comm.rank()
@@ -449,17 +450,28 @@ class DistFormat:
                 exchange.stage()  # outside _dcp_errors: a GPU out of memory is not a damaged file
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
-            return sorted(reader.checked | reader.metadata_checked), reader.bytes_read
+            outcome = sorted(reader.checked | reader.metadata_checked), reader.bytes_read
+            return outcome if exchanging else finish(outcome)
 
+        def finish(outcome: Any) -> Any:
+            """The last round's step, every tensor in place: zero what could not be placed, then the pipeline's
+            restore (``ctx.restore``: scheduler, RNG, stateful), whose failure rides on this round's outcome."""
+            rank_local.reinitialise(plan)
+            local["loaded"] = Loaded(local["common"], local["per_rank"], missing, unexpected)
+            if ctx.restore is not None:
+                ctx.restore(local["loaded"])
+            return outcome
+
+        exchanging = exchange is not None and exchange.needed()  # the same on every rank
         outcomes = comm.agree_all(read, "reading the checkpoint")
-        if exchange is not None and exchange.needed():
-            comm.agree(lambda: exchange.run(planner.resolve_tensor), "passing tensors to other ranks")
-        rank_local.reinitialise(plan)
+        if exchanging:
+            comm.agree(lambda: finish(exchange.run(planner.resolve_tensor)), "passing tensors to other ranks")
         if ctx.optimizer_reshard == "reinit":
             rank_local.warn_reinit(list(plan.reinit), ctx.directory)
-        checked = set().union(*(names for names, _ in outcomes))
-        bytes_read = outcomes[comm.rank()][1]
-        return Loaded(local["common"], local["per_rank"], missing, unexpected, checked=checked, bytes_read=bytes_read)
+        loaded = local["loaded"]
+        loaded.checked = set().union(*(names for names, _ in outcomes))
+        loaded.bytes_read = outcomes[comm.rank()][1]
+        return loaded
 
     @staticmethod
     def _targets(

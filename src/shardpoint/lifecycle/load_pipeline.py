@@ -11,10 +11,14 @@ Every rank runs the same sequence::
                 format does not check while reading them, split over the ranks
     collect     the live tensors to fill (optimizer state created where missing)
     read        the format fills them in place, checking the rest of the checksums
-    restore     optimizer shards, scheduler, RNG and ``extra``
+    restore     optimizer shards, scheduler, RNG, ``TrainState.stateful`` and ``extra``:
+                the last step of the read's last agreement round, so a failure on one
+                rank (a crafted RNG state, a stateful rejecting its state) is raised on
+                every rank with no round of its own
 
 Each step that can fail on one rank runs under :func:`shardpoint.parallel.comm.agree`,
-so every rank raises instead of leaving the others waiting in a collective.
+so every rank raises instead of leaving the others waiting in a collective (invariant 17:
+no rank returns success from a load that failed on another, restores included).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from shardpoint.state.train_state import (
     load_optimizer_shards,
     load_resized,
     restore,
+    restoring,
 )
 from shardpoint.storage.base import Storage
 
@@ -185,8 +190,7 @@ class LoadPipeline:
         streamed = self._verify(opened, opts)
         flat = self._collect_targets(state, opened, opts)
         faults.hit("mid-load", comm.rank())
-        loaded = self._read(opened, flat, streamed)
-        self._restore(state, flat, loaded, opened, opts)
+        loaded = self._read_and_restore(state, opened, flat, streamed, opts)
         log.info(
             "loaded %s (iteration %d%s)", opened.path, opened.meta.iteration, ", finetune" if opened.finetune else ""
         )
@@ -270,22 +274,46 @@ class LoadPipeline:
             resizable=True,
         )
 
-    def _read(self, opened: _Opened, flat: FlatState, streamed: set[str]) -> Loaded:
-        loaded = opened.fmt.load(opened.ctx, flat, opened.meta)
+    def _read_and_restore(
+        self, state: TrainState, opened: _Opened, flat: FlatState, streamed: set[str], opts: LoadOptions
+    ) -> Loaded:
+        """Fill ``flat`` and restore the rest into ``state``, with one outcome on every rank.
+
+        A format that says ``restores_in_last_round`` runs the restore (``ctx.restore``) as
+        the last step of its last agreement round, once every tensor is in place, so its
+        outcome rides on that round's; for any other format the restore is agreed in a
+        round of its own.
+        """
+
+        def restore(loaded: Loaded) -> None:
+            self._restore(state, flat, loaded, opened, opts)
+
+        fmt = opened.fmt
+        if getattr(fmt, "restores_in_last_round", False):
+            opened.ctx.restore = restore
+            loaded = fmt.load(opened.ctx, flat, opened.meta)
+        else:
+            loaded = fmt.load(opened.ctx, flat, opened.meta)
+            comm.agree(lambda: restore(loaded), "restoring the loaded state")
         _verify_unread(opened.storage, opened.path, opened.meta, streamed, loaded.checked)
         return loaded
 
     def _restore(self, state: TrainState, flat: FlatState, loaded: Loaded, opened: _Opened, opts: LoadOptions) -> None:
+        """Everything but the tensors filled in place; a failure names the item, the rank and the checkpoint."""
+        where = f"checkpoint {opened.path}"
         _forget_unsaved_optimizer_state(state, flat, loaded)
-        load_resized(state, flat)
+        with restoring("the model's resized tensors", where, "or load into a model of the saved sizes"):
+            load_resized(state, flat)
         if opts.strict and (loaded.missing or loaded.unexpected):
             raise MissingKeysError(opened.path, loaded.missing, loaded.unexpected)
         with_optimizer = opts.load_optimizer and not opened.finetune
         if state.optimizer is not None and with_optimizer:
-            load_optimizer_shards(state.optimizer, flat.tensors)
+            keep = "or load with load_optimizer=False to keep the current optimizer state"
+            with restoring("the optimizer's shards (load_sharded_state_dict)", where, keep):
+                load_optimizer_shards(state.optimizer, flat.tensors)
         if not opened.finetune:
             per_rank = loaded.per_rank if opts.load_rng else None
-            restore(state, loaded.common, per_rank, include_optimizer=opts.load_optimizer)
+            restore(state, loaded.common, per_rank, include_optimizer=opts.load_optimizer, where=where)
 
 
 def _forget_unsaved_optimizer_state(state: TrainState, flat: FlatState, loaded: Loaded) -> None:

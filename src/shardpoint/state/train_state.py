@@ -13,12 +13,15 @@ the model is ever built.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from shardpoint.errors import CheckpointError
+from shardpoint.parallel import comm
 from shardpoint.state import naming, resizing, rng
 from shardpoint.state.sharding import Shard, flatten_shards, is_dtensor, to_shard
 
@@ -31,6 +34,7 @@ __all__ = [
     "load_resized",
     "param_shard_index",
     "restore",
+    "restoring",
 ]
 
 log = logging.getLogger(__name__)
@@ -198,27 +202,56 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def restore(
-    state: TrainState, common: Mapping[str, Any], per_rank: Mapping[str, Any] | None, include_optimizer: bool = True
+    state: TrainState,
+    common: Mapping[str, Any],
+    per_rank: Mapping[str, Any] | None,
+    include_optimizer: bool = True,
+    where: str = "the checkpoint",
 ) -> None:
     """Apply loaded common and per-rank state (tensors were already filled in place).
 
     ``state.extra`` is updated with the saved extra, so ``consumed_samples`` resumes too.
     Without ``include_optimizer`` the scheduler and grad scaler stay as they are too,
     as with Megatron's ``--no-load-optim``.
+
+    Raises:
+        CheckpointError: an item rejected its saved state (a scheduler's or stateful's
+            ``load_state_dict``, an RNG state of the wrong form), naming the item, this
+            rank and ``where``. The load pipeline runs this inside an agreement round,
+            so the failure of one rank is raised on every rank (invariant 17).
     """
     state.extra.update(common.get("extra", {}))
     if not include_optimizer:
         common = {k: v for k, v in common.items() if k not in ("optimizer_param_groups", "scheduler", "grad_scaler")}
+    keep = "or load with load_optimizer=False to keep the current one"
     if "optimizer_param_groups" in common and state.optimizer is not None:
-        _restore_param_groups(state.optimizer, common["optimizer_param_groups"])
+        with restoring("the optimizer's param groups (optimizer_param_groups)", where, keep):
+            _restore_param_groups(state.optimizer, common["optimizer_param_groups"])
     if "scheduler" in common and state.scheduler is not None:
-        state.scheduler.load_state_dict(common["scheduler"])
+        with restoring("the scheduler (scheduler)", where, keep):
+            state.scheduler.load_state_dict(common["scheduler"])
     if "grad_scaler" in common and state.grad_scaler is not None:
-        state.grad_scaler.load_state_dict(common["grad_scaler"])
+        with restoring("the grad scaler (grad_scaler)", where, keep):
+            state.grad_scaler.load_state_dict(common["grad_scaler"])
     if per_rank and per_rank.get("rng") is not None:
-        rng.restore(per_rank["rng"], state.generators)
+        with restoring("the RNG state (rng)", where, "or load with load_rng=False to keep the current RNG state"):
+            rng.restore(per_rank["rng"], state.generators)
     if per_rank:
-        _restore_stateful(state.stateful, per_rank.get("stateful") or {})
+        _restore_stateful(state.stateful, per_rank.get("stateful") or {}, where)
+
+
+@contextmanager
+def restoring(item: str, where: str, advice: str) -> Iterator[None]:
+    """Turn any failure of restoring ``item`` into a CheckpointError naming it, this rank and ``where``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # user objects' load_state_dict raise anything
+        raise CheckpointError(
+            f"{where}: restoring {item} failed on rank {comm.rank()}: {type(exc).__name__}: {exc}. "
+            f"The saved state does not fit this job's object: load another checkpoint, {advice}"
+        ) from exc
 
 
 def load_resized(state: TrainState, flat: FlatState) -> None:
@@ -227,10 +260,12 @@ def load_resized(state: TrainState, flat: FlatState) -> None:
         resizing.load_resized(state.model, flat.resized, MODEL_PREFIX)
 
 
-def _restore_stateful(objects: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+def _restore_stateful(objects: Mapping[str, Any], saved: Mapping[str, Any], where: str) -> None:
+    skip = "or load with load_rng=False (it skips RNG and TrainState.stateful)"
     for name, obj in objects.items():
         if name in saved:
-            obj.load_state_dict(saved[name])
+            with restoring(f"TrainState.stateful[{name!r}]", where, skip):
+                obj.load_state_dict(saved[name])
         else:
             log.warning("TrainState.stateful[%r] has no saved state in this checkpoint; it starts afresh", name)
 

@@ -52,6 +52,7 @@ class LocalSnapshotFormat:
     """``format="local"``: this rank's state in ``state.pt`` (and ``frozen.pt``); every rank reads only its own."""
 
     name = "local"
+    restores_in_last_round = True  # load runs ``ctx.restore`` inside its one round (see LoadPipeline)
 
     def __init__(self) -> None:
         self._frozen: tuple[str, str, FileRecord] | None = None  # digest, where the published copy keeps it, record
@@ -101,7 +102,8 @@ class LocalSnapshotFormat:
         return set()
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
-        """Fill ``flat`` from this rank's file; one agreement round so a failure anywhere is raised everywhere."""
+        """Fill ``flat`` from this rank's files and restore the rest (``ctx.restore``); one agreement round, so a
+        failure anywhere, in the read or the restore, is raised everywhere."""
         path = ctx.storage.join(ctx.directory, DATA_FILE)
 
         def read() -> Loaded:
@@ -117,7 +119,7 @@ class LocalSnapshotFormat:
                 missing = _fill(flat, payload, path)
             saved = set(payload["tensors"]) | set(payload["rank_local"])
             wanted = set(flat.tensors) | set(flat.rank_local)
-            return Loaded(
+            loaded = Loaded(
                 payload["common"],
                 payload["per_rank"],
                 missing,
@@ -125,6 +127,9 @@ class LocalSnapshotFormat:
                 checked={DATA_FILE},
                 bytes_read=size,
             )
+            if ctx.restore is not None:
+                ctx.restore(loaded)  # scheduler, RNG, stateful: their outcome rides on this round's
+            return loaded
 
         return comm.agree(read, "reading the local-tier checkpoint")
 
