@@ -81,10 +81,13 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     data = tensor.detach()
     if data.device.type != "cpu":
         data = data.cpu()
-    data = data.contiguous()
-    hasher = xxhash.xxh3_128(f"{data.dtype}{tuple(data.shape)}".encode())
+    # reshape(-1) first: a 0-dim tensor has no last dimension to reinterpret as bytes
+    # (``view(torch.uint8)`` raises on it), and a frozen scalar (a temperature, a
+    # ``logit_scale``) must hash like any other tensor.
+    data = data.contiguous().reshape(-1)
+    hasher = xxhash.xxh3_128(f"{data.dtype}{tuple(tensor.shape)}".encode())
     if data.numel():
-        hasher.update(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+        hasher.update(memoryview(data.view(torch.uint8).numpy()))
     return hasher.hexdigest()
 
 
