@@ -29,10 +29,18 @@ except ImportError:  # torch < 2.6 has no such setting: files keep their CRC32
     _serialization_config = None
 
 
-from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
+from shardpoint.catalog.metadata import HELD_NOTE, MARKER_NAME, CheckpointMetadata, FileRecord, referred_dir
 from shardpoint.storage.base import Storage
 
-__all__ = ["FileProblem", "HashingWriter", "checksum_file", "record_file", "verify_files", "without_zip_crc32"]
+__all__ = [
+    "FileProblem",
+    "HashingWriter",
+    "checksum_file",
+    "record_file",
+    "sibling_problem",
+    "verify_files",
+    "without_zip_crc32",
+]
 
 _CHUNK = 16 << 20
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -164,11 +172,17 @@ def verify_files(
 
     Files are checked on a few threads when that pays: XXH3 releases the GIL, so hashing
     runs on as many cores as there are files to check, and object-store requests overlap.
+    A file of another checkpoint (frozen bytes stored once, ``../<sibling>/<file>``) is
+    not even asked for its size unless that sibling is a checkpoint of the same run
+    (:func:`sibling_problem`): a crafted marker must not learn anything of other files.
     """
     names = names if names is not None else sorted(meta.files)
 
     def check(name: str) -> FileProblem | None:
         record = meta.files[name]
+        outside = sibling_problem(storage, directory, name)
+        if outside is not None:
+            return outside
         path = storage.join(directory, name)
         if not storage.exists(path):
             return FileProblem(name, "missing")
@@ -186,6 +200,27 @@ def verify_files(
         with ThreadPoolExecutor(workers, thread_name_prefix="shardpoint-verify") as pool:
             found = list(pool.map(check, names))
     return [problem for problem in found if problem is not None]
+
+
+def sibling_problem(storage: Storage, directory: str, name: str) -> FileProblem | None:
+    """Why ``name``, a marker's reference into a checkpoint beside ``directory``, may not be read; None if it may.
+
+    Stored-once references (:mod:`shardpoint.formats.dedup`) name ``../<checkpoint>/<file>``:
+    the sibling must be a checkpoint of the same save directory, committed (its marker)
+    or retired and held for the files others refer to (:data:`HELD_NOTE`). Anything
+    else beside the checkpoint (a user's folder, another tool's files) is not opened.
+    """
+    sibling = referred_dir(name)
+    if sibling is None:
+        return None
+    for own in (MARKER_NAME, HELD_NOTE):
+        if storage.exists(storage.join(directory, "..", sibling, own)):
+            return None
+    return FileProblem(
+        name,
+        f"refers to ../{sibling}, which is not a checkpoint beside this one (neither {MARKER_NAME} nor "
+        f"{HELD_NOTE}); the marker is damaged or crafted, so the file was not opened",
+    )
 
 
 #: bytes to hash below which a local check runs on the calling thread: starting the pool

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,15 +18,19 @@ from shardpoint.errors import CorruptCheckpointError
 
 __all__ = [
     "FORMAT_VERSION",
+    "HELD_NOTE",
     "MARKER_NAME",
     "CheckpointMetadata",
     "FileRecord",
+    "listed_record",
     "referred_dir",
     "sibling_path",
     "within_root",
 ]
 
 MARKER_NAME = "shardpoint.json"
+#: in a retired checkpoint kept for the files others refer to (see :mod:`shardpoint.lifecycle.references`)
+HELD_NOTE = ".shardpoint-referenced"
 FORMAT_VERSION = 1
 # "torchtitan": torchtitan's own DCP state dict (shardpoint.integrations.torchtitan writes and reads it)
 FORMATS = ("dist", "torch", "torchtitan")
@@ -85,7 +90,8 @@ class CheckpointMetadata:
         """Parse and validate; every problem is a CorruptCheckpointError naming ``where``."""
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        # ValueError: besides bad JSON, an integer longer than Python's digit limit (sys.get_int_max_str_digits)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise CorruptCheckpointError(
                 f"{where} is not valid JSON ({type(exc).__name__}: {exc}); the checkpoint's marker is damaged: "
                 "load another iteration, or restore the file from a copy"
@@ -145,6 +151,11 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
             raise CorruptCheckpointError(f"{where}: file name {name!r} points outside the checkpoint directory")
         records[name] = FileRecord(rec["size"], rec["xxh3_64"])
     fields["files"] = records
+    if fields["format"] == "torch" and any(referred_dir(name) is not None for name in records):
+        raise CorruptCheckpointError(
+            f"{where}: a torch-format checkpoint lists a file of another checkpoint; only the dist format stores "
+            "frozen bytes once. The marker is damaged or crafted"
+        )
     for key, kind in (
         ("layout", str),
         ("config", dict),
@@ -161,10 +172,36 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         value = need(key, kind, optional=True)
         if value is not None:
             fields[key] = value
+    logits = fields.get("validation_logits")
+    if logits is not None and (logits not in records or referred_dir(logits) is not None):
+        raise CorruptCheckpointError(
+            f"{where}: validation_logits names {logits!r}"[:300] + ", which is not one of the checkpoint's own "
+            "listed files; the marker is damaged or crafted"
+        )
     for name, value in fields.get("metrics", {}).items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise CorruptCheckpointError(f"{where}: metric {name!r} should be a finite number, got {value!r}")
     return fields
+
+
+def listed_record(files: Mapping[str, FileRecord], name: str, where: str, by: str) -> FileRecord:
+    """The marker's record of ``name``, a file that ``by`` (such as ``.metadata``) tells a reader to open.
+
+    A reader opens only what the marker lists (with its checksum): a name it does not
+    list, or one outside the checkpoint (``..``, absolute), is damaged or crafted input
+    that would otherwise read another run's files unchecked.
+
+    Raises:
+        CorruptCheckpointError: ``name`` is not listed; the message names it and ``where``.
+    """
+    record = files.get(name) if isinstance(name, str) else None
+    if record is None:
+        raise CorruptCheckpointError(
+            f"checkpoint {where} is damaged or crafted: {by} names the file {name!r}"[:400] + f", which {MARKER_NAME} "
+            "does not list (only the checkpoint's own files and those of checkpoints beside it that it lists are "
+            "read); refusing to read it. Load another iteration (iteration=N or fallback=True)"
+        )
+    return record
 
 
 def sibling_path(path: str) -> str:

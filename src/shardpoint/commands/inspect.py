@@ -35,7 +35,7 @@ from typing import Any
 
 from shardpoint import offline
 from shardpoint.catalog.integrity import verify_files
-from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata, referred_dir
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata, listed_record, referred_dir
 from shardpoint.commands._output import (
     EXIT_OK,
     EXIT_PROBLEM,
@@ -280,6 +280,7 @@ def read_common(directory: str, meta: CheckpointMetadata, storage: Storage | Non
     """The state shared by all ranks: ``common.pt`` (dist) or the first ``model_optim_rng.pt`` (torch)."""
     storage = storage or open_storage(directory)
     if meta.format == "dist":
+        listed_record(meta.files, COMMON_FILE, directory, "the dist format")  # read only what the marker lists
         return dict(read_torch_file(storage, storage.join(directory, COMMON_FILE)))
     first = sorted(n for n in meta.files if n.endswith("/" + MAIN_FILE))
     if not first:

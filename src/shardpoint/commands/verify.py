@@ -29,6 +29,7 @@ from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
 from shardpoint.commands._output import EXIT_OK, EXIT_PROBLEM, Output, add_output_flags, guarded, human_bytes, new_table
 from shardpoint.commands.inspect import describe_directory
 from shardpoint.errors import CheckpointError
+from shardpoint.formats.dist import DCP_METADATA, dcp_reader
 from shardpoint.lifecycle import commit
 from shardpoint.storage.base import Storage, open_storage
 
@@ -129,11 +130,29 @@ def check_checkpoint(name: str, directory: str, progress: Any = None, storage: S
         ]
         if progress:
             progress(f"verifying {name}", done, len(names))
+    if not report["problems"]:
+        report["problems"] += _stored_item_problems(storage, directory, meta)
     report["unrecorded"] = unrecorded_files(directory, meta, storage)
     report.update(
         committed=True, files=len(names), bytes=meta.total_bytes, ok=not report["problems"] and not report["unrecorded"]
     )
     return report
+
+
+def _stored_item_problems(storage: Storage, directory: str, meta: CheckpointMetadata) -> list[dict[str, str]]:
+    """Whether DCP's ``.metadata`` names only files the marker lists, each item within its file.
+
+    A load refuses such a ``.metadata`` (:func:`~shardpoint.formats.dcp_metadata.check_stored_items`);
+    ``verify`` must say so too, or it would pass a checkpoint whose data lies elsewhere.
+    Checked after the files themselves, so ``.metadata`` is unpickled only once its checksum matches.
+    """
+    if DCP_METADATA not in meta.files:
+        return [{"file": DCP_METADATA, "problem": f"not listed in {MARKER_NAME}"}] if meta.format != "torch" else []
+    try:
+        dcp_reader(storage, directory, listed=meta.files).read_metadata()
+    except CheckpointError as exc:
+        return [{"file": DCP_METADATA, "problem": str(exc)}]
+    return []
 
 
 def unrecorded_files(directory: str, meta: CheckpointMetadata, storage: Storage | None = None) -> list[str]:

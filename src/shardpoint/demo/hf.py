@@ -217,7 +217,7 @@ def read_full_model(path: str, meta: CheckpointMetadata) -> dict[str, torch.Tens
     problems = verify_files(storage, path, meta)
     if problems:
         raise sp.CorruptCheckpointError(f"cannot export {path}: " + "; ".join(map(str, problems)))
-    reader = dcp_reader(storage, path)
+    reader = dcp_reader(storage, path, listed=meta.files)
     metadata = reader.read_metadata()
     state = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype)

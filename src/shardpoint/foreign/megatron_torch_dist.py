@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from shardpoint.catalog.untrusted_json import check_member_name
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
 from shardpoint.foreign._unpickle import load_dcp_metadata_foreign, load_foreign
@@ -65,6 +66,7 @@ from shardpoint.foreign.megatron_moe import (
     split_experts,
 )
 from shardpoint.foreign.structure import split_dim
+from shardpoint.formats.dcp_metadata import check_stored_items
 from shardpoint.offline import single_process
 
 __all__ = ["is_torch_dist_dir", "model_order", "read_torch_dist"]
@@ -93,7 +95,13 @@ def is_torch_dist_dir(directory: str) -> bool:
 
 
 class _Reader(FileSystemReader):
-    """DCP's reader with ``.metadata`` unpickled by the restricted unpickler."""
+    """DCP's reader with ``.metadata`` unpickled by the restricted unpickler, and checked against the files.
+
+    Every stored item must lie in a file of the directory itself, within the file's real
+    size, and the tensors may not claim more bytes than those files hold
+    (:func:`~shardpoint.formats.dcp_metadata.check_stored_items`): the full-size tensors
+    are allocated from ``.metadata``'s sizes before anything is read.
+    """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(self.path, ".metadata")
@@ -104,7 +112,16 @@ class _Reader(FileSystemReader):
             raise CorruptCheckpointError(f"{path} is missing; the torch_dist checkpoint is incomplete") from None
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path} does not hold DCP metadata")
+        check_stored_items(metadata, lambda name: _file_size(self.path, name, path), str(self.path))
         return metadata
+
+
+def _file_size(directory: Any, name: str, metadata_path: str) -> int:
+    """The real size of ``name``, a data file ``.metadata`` names: a plain file of ``directory``, or refused."""
+    try:
+        return os.path.getsize(os.path.join(directory, check_member_name(name, metadata_path)))
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{metadata_path} names the data file {name!r}, unreadable: {exc}") from None
 
 
 class _Planner(DefaultLoadPlanner):

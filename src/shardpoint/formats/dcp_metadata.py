@@ -17,19 +17,29 @@ plain ``dcp.load`` with those readers works as before (each reader reads the fil
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from shardpoint.catalog.metadata import FileRecord
+from shardpoint.catalog.metadata import FileRecord, listed_record
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from shardpoint.parallel import comm
 from shardpoint.storage.safe_io import load_dcp_metadata
 
-__all__ = ["DCP_METADATA", "MetadataReads", "SafeMetadata", "metadata_reads", "outline_of", "share_outline"]
+__all__ = [
+    "DCP_METADATA",
+    "MetadataReads",
+    "SafeMetadata",
+    "check_stored_items",
+    "metadata_reads",
+    "outline_of",
+    "share_outline",
+]
 
 DCP_METADATA = ".metadata"
 
@@ -56,11 +66,14 @@ class SafeMetadata:
 
     shardpoint reads the metadata to plan before ``dcp.load``, which reads it again.
     ``metadata_record``: when set, the file's size and checksum are checked as it is read
-    (before anything is unpickled); ``metadata_checked`` then names it.
+    (before anything is unpickled); ``metadata_checked`` then names it. ``listed``: the
+    marker's files; when set, every stored item must lie in one of them, within its
+    recorded size (:func:`check_stored_items`), before any data file is opened.
     """
 
     _metadata: Metadata | None = None
     metadata_record: FileRecord | None = None
+    listed: Mapping[str, FileRecord] | None = None
     metadata_checked: frozenset[str] = frozenset()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -76,6 +89,8 @@ class SafeMetadata:
     def read_metadata_bytes(self) -> bytes:
         """The bytes of ``.metadata`` from storage, checked against :attr:`metadata_record` if set."""
         path = self._metadata_path()
+        if self.listed is not None:
+            listed_record(self.listed, DCP_METADATA, str(self.path), "the dist format")  # type: ignore[attr-defined]
         try:
             with self.fs.create_stream(path, "rb") as f:
                 data = f.read()
@@ -106,7 +121,66 @@ class SafeMetadata:
         metadata = load_dcp_metadata(data, str(path))
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path} does not hold DCP metadata")
+        listed = self.listed
+        if listed is not None:
+            where = str(self.path)  # type: ignore[attr-defined]
+            check_stored_items(metadata, lambda name: listed_record(listed, name, where, DCP_METADATA).size, where)
         return metadata
+
+
+def check_stored_items(metadata: Metadata, size_of: Callable[[str], int], where: str) -> None:
+    """Refuse a ``.metadata`` whose items lie outside the files they name, or whose tensors outgrow the checkpoint.
+
+    DCP's readers take ``.metadata``'s file names, offsets, lengths and shapes as given:
+    a crafted one could send a read into another run's files, or make a reader allocate
+    whatever a length or a shape says (1.55 GB for a 21 KB checkpoint). ``size_of(name)``
+    is the size of a file an item names, or raises for a file the reader may not open
+    (the marker does not list it; a foreign file outside its directory). Each item must
+    lie within its file, and the tensors (at full size, and their chunks) cannot hold
+    more bytes than those files together (stored items are uncompressed tensors), so all
+    allocations sized from ``.metadata`` together stay within the checkpoint's own size.
+
+    Raises:
+        CorruptCheckpointError: naming the file or the tensor, and ``where``.
+    """
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name, offset, length = info.relative_path, info.offset, info.length
+        if not isinstance(name, str) or not _counts(offset, length):
+            raise CorruptCheckpointError(f"{where}: {DCP_METADATA} holds a malformed storage record {info!r}"[:400])
+        ends[name] = max(ends.get(name, 0), offset + length)
+    sizes = {name: size_of(name) for name in ends}
+    for name, end in ends.items():
+        if end > sizes[name]:
+            raise CorruptCheckpointError(
+                f"checkpoint {where} is damaged or crafted: {DCP_METADATA} places stored bytes of {name} up to byte "
+                f"{end}, past its {sizes[name]} bytes; nothing was read. Load another iteration"
+            )
+    total, claimed = sum(sizes.values()), [0, 0]
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for i, nbytes in enumerate(_tensor_bytes(key, md, where)):
+                claimed[i] += nbytes
+            if max(claimed) > total:
+                raise CorruptCheckpointError(
+                    f"checkpoint {where} is damaged or crafted: with {key!r} (size {tuple(md.size)}), "
+                    f"{DCP_METADATA} describes more tensor bytes than the {total} bytes stored; nothing was allocated "
+                    "for them. Load another iteration"
+                )
+
+
+def _tensor_bytes(key: str, md: TensorStorageMetadata, where: str) -> tuple[int, int]:
+    """The bytes of a tensor at full size, and of its chunks together (see :func:`check_stored_items`)."""
+    itemsize = md.properties.dtype.itemsize
+    chunk_sizes = [chunk.sizes for chunk in md.chunks]
+    if not _counts(*md.size) or not all(_counts(*sizes) for sizes in chunk_sizes):
+        raise CorruptCheckpointError(f"{where}: {DCP_METADATA} gives {key!r} a size that is not a count; it is damaged")
+    return math.prod(md.size) * itemsize, sum(math.prod(sizes) for sizes in chunk_sizes) * itemsize
+
+
+def _counts(*values: Any) -> bool:
+    """Every value a non-negative int (a count, an offset, a length)."""
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
 
 
 def share_outline(reader: SafeMetadata) -> tuple[Metadata, Metadata | None]:

@@ -31,8 +31,9 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from shardpoint.catalog.metadata import FileRecord
+from shardpoint.catalog.metadata import FileRecord, listed_record
 from shardpoint.errors import CorruptCheckpointError
+from shardpoint.formats.dcp_metadata import DCP_METADATA
 from shardpoint.formats.shares import balanced, useful_threads
 from shardpoint.formats.tensor_archive import known_data_offset, known_ends
 from shardpoint.parallel import devices
@@ -50,9 +51,10 @@ class StreamingReads:
     """Mixin for DCP readers: each file read once, on several threads, checked and decoded.
 
     Set by :func:`shardpoint.formats.dist.dcp_reader`: ``thread_count``, ``expected``
-    (file name -> record whose checksum is checked while reading; None: no checks) and
-    ``contiguous_items``. After a load, ``checked`` names the files whose checksum
-    this rank compared.
+    (file name -> record whose checksum is checked while reading; None: no checks),
+    ``listed`` (the marker's files: no other file is opened) and ``contiguous_items``.
+    After a load, ``checked`` names the files whose checksum this rank compared. Every
+    item is checked against the file's real size before a buffer is sized from its length.
     """
 
     thread_count = 1
@@ -105,6 +107,9 @@ class StreamingReads:
         for item in items:
             info = self._info(item)
             places.setdefault((info.offset, info.length), []).append(item)
+        listed = getattr(self, "listed", None)  # SafeMetadata's, in the same reader class
+        if listed is not None:
+            listed_record(listed, name, str(self.path), DCP_METADATA)  # type: ignore[attr-defined]
         record = None if self.expected is None else self.expected.get(name)
         # a rank needing little of a file (resharding) reads just that; the file is checked once, after the load
         needed = sum(length for _, length in places)
@@ -113,6 +118,7 @@ class StreamingReads:
         path = self.fs.concat_path(self.path, name)  # type: ignore[attr-defined]
         with self.fs.create_stream(path, "rb") as raw:  # type: ignore[attr-defined]
             stream = _Counting(raw)
+            _check_extent(stream, max(offset + length for offset, length in places), name)
             position = 0
             for (offset, length), wanted in sorted(places.items()):
                 scratch.next()  # the other buffer, once the copies out of it are done
@@ -437,6 +443,18 @@ class _ArchiveEnds(io.RawIOBase):
         buffer[:n] = data
         self._position += n
         return n
+
+
+def _check_extent(stream: Any, end: int, name: str) -> None:
+    """Refuse to read items ending past the file's real size, before any buffer is sized from their lengths."""
+    stream.seek(0, io.SEEK_END)
+    size = stream.tell()
+    stream.seek(0)
+    if end > size:
+        raise CorruptCheckpointError(
+            f"{name}: DCP's {DCP_METADATA} places stored bytes up to byte {end}, past the file's {size} bytes "
+            "(truncated, or the metadata is damaged or crafted); nothing was read from it"
+        )
 
 
 def _read_exactly(stream: Any, view: memoryview, name: str, digest: Any = None) -> None:

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.futures import Future
 
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
-from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord, listed_record
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
 from shardpoint.formats import dedup, dist_save, load_parts, shared_reads
 from shardpoint.formats.base import (
@@ -327,16 +327,20 @@ def dcp_reader(
     thread_count: int = 1,
     expected: dict[str, FileRecord] | None = None,
     contiguous_items: bool = False,
+    listed: Mapping[str, FileRecord] | None = None,
 ) -> SafeFileSystemReader | SafeFsspecReader:
     """A DCP reader for ``directory`` on ``storage`` that never unpickles more than DCP metadata.
 
     ``expected``: records of the files whose checksums are checked while reading;
     ``contiguous_items``: the checkpoint says every item is a contiguous tensor
-    (``CheckpointMetadata.contiguous_items``), so items are decoded without ``torch.load``.
+    (``CheckpointMetadata.contiguous_items``), so items are decoded without ``torch.load``;
+    ``listed``: the marker's files (``CheckpointMetadata.files``), the only ones the
+    reader opens, each item within its recorded size (DESIGN invariant 16).
     """
     reader = SafeFileSystemReader(directory) if storage.is_local else SafeFsspecReader(directory)
     reader.thread_count = thread_count
     reader.expected = expected
+    reader.listed = listed
     reader.contiguous_items = contiguous_items
     return reader
 
@@ -437,6 +441,7 @@ class DistFormat:
         if part.shared:
             route = shared_reads.route_for([part.kinds], self.exchange_route)
             exchange = shared_reads.Exchange(items, present, metadata, position, route, part.assignment(comm.rank()))
+        listed_record(meta.files, COMMON_FILE, ctx.directory, "the dist format")  # read only what the marker lists
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
 
         def read() -> tuple[list[str], int]:
@@ -512,8 +517,8 @@ class DistFormat:
                     meta.topology,
                 )
             return None
-        path = ctx.storage.join(ctx.directory, rng_file(ctx.topology.rank))
-        return read_torch_file(ctx.storage, path) if ctx.storage.exists(path) else None
+        name = rng_file(ctx.topology.rank)
+        return read_torch_file(ctx.storage, ctx.storage.join(ctx.directory, name)) if name in meta.files else None
 
 
 @contextmanager

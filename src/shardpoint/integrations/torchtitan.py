@@ -528,7 +528,7 @@ class ShardpointCheckpointManager(BaseCheckpointManager):
             )
         expected = {n: meta.files[n] for n in streamed} if meta is not None and self.verify else None
         contiguous = bool(meta and meta.contiguous_items)
-        reader = dcp_reader(storage, path, self.thread_count, expected, contiguous)
+        reader = dcp_reader(storage, path, self.thread_count, expected, contiguous, meta.files if meta else None)
 
         def read() -> list[str]:
             with _dcp_errors(path):

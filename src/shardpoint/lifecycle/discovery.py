@@ -58,10 +58,9 @@ def find_checkpoint(
         raise CorruptCheckpointError(
             f"{path} does not exist, but it was asked for (tracker or iteration=); choose one of: {committed or 'none'}"
         )
-    meta = commit.read_marker(storage, path)
     if fallback:
-        return _first_intact(storage, root, layout, path, meta)
-    return path, meta.to_json()
+        return _first_intact(storage, root, layout, path, iteration)
+    return path, commit.read_marker(storage, path).to_json()
 
 
 def _newest_without_tracker(storage: Storage, root: str, layout: Layout) -> tuple[str, str] | None:
@@ -76,17 +75,28 @@ def _newest_without_tracker(storage: Storage, root: str, layout: Layout) -> tupl
     return newest.path, newest.meta.to_json()
 
 
-def _first_intact(storage: Storage, root: str, layout: Layout, path: str, meta: CheckpointMetadata) -> tuple[str, str]:
-    candidates = [(path, meta)] + [
-        (e.path, e.meta)
+def _first_intact(storage: Storage, root: str, layout: Layout, path: str, iteration: int | None) -> tuple[str, str]:
+    """The newest intact checkpoint from ``path`` (of ``iteration``, None: release) down.
+
+    ``path``'s own marker may be the damaged part (unreadable, not JSON, a number past
+    Python's digit limit): it is then skipped like a damaged data file, by the iteration
+    its name gives.
+    """
+    try:
+        first: list[tuple[str, CheckpointMetadata | None, str]] = [(path, commit.read_marker(storage, path), "")]
+    except CorruptCheckpointError as exc:
+        first = [(path, None, str(exc))]
+    candidates = first + [
+        (e.path, e.meta, "")
         for e in reversed(commit.list_checkpoints(storage, root, layout))
-        if e.committed and e.path != path and (meta.release or (e.iteration or 0) < meta.iteration)
+        if e.committed and e.path != path and (iteration is None or (e.iteration or 0) < iteration)
     ]
-    for candidate, candidate_meta in candidates:
-        problems = verify_files(storage, candidate, candidate_meta)
-        if not problems:
-            return candidate, candidate_meta.to_json()
-        log.warning("skipping damaged checkpoint %s: %s", candidate, "; ".join(map(str, problems)))
+    for candidate, candidate_meta, problem in candidates:
+        if candidate_meta is not None:
+            problem = "; ".join(map(str, verify_files(storage, candidate, candidate_meta)))
+            if not problem:
+                return candidate, candidate_meta.to_json()
+        log.warning("skipping damaged checkpoint %s: %s", candidate, problem)
     raise CorruptCheckpointError(f"no checkpoint under {root} passes verification")
 
 

@@ -24,7 +24,7 @@ import json
 import logging
 from collections import defaultdict
 
-from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata, referred_dir
+from shardpoint.catalog.metadata import HELD_NOTE, MARKER_NAME, CheckpointMetadata, referred_dir
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.lifecycle import faults
 from shardpoint.storage.base import Storage
@@ -32,8 +32,6 @@ from shardpoint.storage.base import Storage
 __all__ = ["HELD_NOTE", "held_dirs", "hold", "is_held", "referred_files"]
 
 log = logging.getLogger(__name__)
-
-HELD_NOTE = ".shardpoint-referenced"
 
 
 def referred_files(storage: Storage, root: str, name: str) -> dict[str, list[str]]:

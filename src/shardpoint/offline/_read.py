@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardpoint.catalog.integrity import verify_files
-from shardpoint.catalog.metadata import CheckpointMetadata
+from shardpoint.catalog.metadata import CheckpointMetadata, listed_record
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.formats.base import read_torch_file
 from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_reader
@@ -145,7 +145,7 @@ def check_files(
 
 
 def _read_dist(storage: Storage, directory: str, meta: CheckpointMetadata, progress: ProgressFn | None):
-    metadata = dcp_reader(storage, directory).read_metadata()
+    metadata = dcp_reader(storage, directory, listed=meta.files).read_metadata()  # checked against the marker
     tensors: dict[str, torch.Tensor] = {}
     boxes: dict[str, set[Box]] = {}
     per_rank = sorted(k for k in metadata.state_dict_metadata if k.startswith(naming.RANK_LOCAL_PREFIX))
@@ -176,12 +176,15 @@ def _read_dist(storage: Storage, directory: str, meta: CheckpointMetadata, progr
         with single_process():
             dcp.load(
                 batch,
-                storage_reader=dcp_reader(storage, directory, contiguous_items=meta.contiguous_items),
+                storage_reader=dcp_reader(
+                    storage, directory, contiguous_items=meta.contiguous_items, listed=meta.files
+                ),
                 planner=ShardLoadPlanner(shards, directory),
                 no_dist=True,
             )
         if progress:
             progress("reading", min(start + step, len(keys)), len(keys))
+    listed_record(meta.files, COMMON_FILE, directory, "the dist format")  # read only what the marker lists
     common = read_torch_file(storage, storage.join(directory, COMMON_FILE))
     stages = {k: stage_by_name(k) for k in tensors if layer_of(k) is None}
     return tensors, common, boxes, stages
@@ -291,7 +294,7 @@ def describe_tensors(directory: str, meta: CheckpointMetadata, *, storage: Stora
     """
     storage = storage or open_storage(directory)
     if meta.format == "dist":
-        metadata = dcp_reader(storage, directory).read_metadata()
+        metadata = dcp_reader(storage, directory, listed=meta.files).read_metadata()
         found = {
             key: (tuple(item.size), item.properties.dtype, {(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks})
             for key, item in metadata.state_dict_metadata.items()
