@@ -204,3 +204,21 @@ def test_the_load_plan_round_stays_one_call_with_hundreds_of_tensors(tmp_path):
     assert all(r["same"] for r in small + many)
     assert {r["load"] for r in many} == {r["load"] for r in small}
     assert max(r["load"] for r in many) <= LOAD_CALLS
+
+
+# a torch-format load: find, its reads' agreements and key gathers (9 calls), and the restore's own agreement
+# (RNG, scheduler, stateful: its last rounds are plain gathers, so the restore cannot ride on one; issue 54)
+TORCH_LOAD_CALLS = 10
+
+
+def _torch_format_load_calls(rank: int, world: int, root: str) -> int:
+    _count_collectives()
+    topo = sp.Topology(1, 1, world)
+    state = toy.build(topo)
+    toy.train_step(state, 1)
+    sp.Checkpointer(root, topology=topo, format="torch").save(1, state)
+    return _calls(lambda: sp.Checkpointer(root, topology=topo).load(toy.build(topo)))
+
+
+def test_a_torch_format_load_counts_the_restore_agreement(tmp_path):
+    assert launch(_torch_format_load_calls, 2, str(tmp_path)) == [TORCH_LOAD_CALLS] * 2
