@@ -54,7 +54,12 @@ def replica_manager(replica_id: int, lighthouse: str, model: Any, optimizer: Any
 
     store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo()
-    transport = ShardpointTransport(pg, timeout=timedelta(seconds=timeout), device=torch.device("cpu"))
+    transport = ShardpointTransport(
+        pg,
+        timeout=timedelta(seconds=timeout),
+        device=torch.device("cpu"),
+        state_dict=lambda: {"user": state_dict()},  # receive in place, as the README shows
+    )
     manager = Manager(
         pg=pg,
         min_replica_size=2,

@@ -7,7 +7,10 @@ threads, a real lighthouse (``LighthouseServer`` from the torchft wheel), a real
 ``OptimizerWrapper``. Replica 1 raises at step 2, starts again from a model initialised
 with another seed, and must get the healthy replica's state over the transport: at the
 end both replicas hold the same weights and Adam state, bit for bit, and the transport
-records the heal (its step, sender and bytes).
+records the heal (its step, sender and bytes). The transport is set up as the README
+shows (``state_dict=lambda: {"user": state_dict()}``) while torchft 0.2's Manager sends
+``{"user": {"default": ...}}``: the weights must still arrive in place, into the
+replacement's own parameters (the same storage before and after).
 """
 
 from __future__ import annotations
@@ -36,6 +39,21 @@ class _Failure(Exception):
 
 
 TRANSPORTS: list[ShardpointTransport] = []
+IN_PLACE: list[dict[str, bool]] = []  # per heal: each weight, whether it arrived in the model's own storage
+
+
+def _watch_in_place(transport: ShardpointTransport, model: nn.Module) -> None:
+    """Record, for what the Manager receives, whether each weight is the model's own storage."""
+    receive = transport.recv_checkpoint
+
+    def recv_checkpoint(*args, **kwargs):
+        before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+        state = receive(*args, **kwargs)
+        got = state["user"]["default"]["model"]  # as torchft 0.2's Manager builds it
+        IN_PLACE.append({k: got[k].data_ptr() == p == model.state_dict()[k].data_ptr() for k, p in before.items()})
+        return state
+
+    transport.recv_checkpoint = recv_checkpoint
 
 
 def _replica(replica_id: int, lighthouse: str, fail_at: int | None, seed: int) -> dict:
@@ -45,6 +63,7 @@ def _replica(replica_id: int, lighthouse: str, fail_at: int | None, seed: int) -
     optimizer = torch.optim.Adam(model.parameters())
     manager, transport, _store = replica_manager(replica_id, lighthouse, model, optimizer, timeout=20)
     TRANSPORTS.append(transport)
+    _watch_in_place(transport, model)
     try:
         ddp = DistributedDataParallel(manager, model)
         wrapped = OptimizerWrapper(manager, optimizer)
@@ -72,6 +91,7 @@ def _run_replica(replica_id: int, lighthouse: str, fail_at: int | None) -> dict:
 def test_a_failed_replica_heals_from_the_healthy_one_bit_for_bit():
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     TRANSPORTS.clear()
+    IN_PLACE.clear()
     try:
         with ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(_run_replica, r, lighthouse.address(), 2 if r == 1 else None) for r in range(2)]
@@ -80,6 +100,7 @@ def test_a_failed_replica_heals_from_the_healthy_one_bit_for_bit():
         lighthouse.shutdown()
     heals = [heal for t in TRANSPORTS for heal in t.received]
     assert heals and heals[0]["from rank"] == 0 and heals[0]["bytes"] > 0, heals  # the state came over the wire
+    assert IN_PLACE and all(all(weights.values()) for weights in IN_PLACE), IN_PLACE  # into the model's own storage
     flat_a, flat_b = _flatten(healthy), _flatten(healed)
     assert flat_a.keys() == flat_b.keys()
     for key, value in flat_a.items():

@@ -21,22 +21,36 @@ same arguments) that:
   (:func:`~shardpoint.storage.safe_io.load_plain_pickle`); the pytree structure travels
   as ``torch.utils._pytree``'s JSON, ``DTensor`` placements by name; a crafted header
   is an :class:`~shardpoint.errors.UnsafeCheckpointError`, and runs nothing;
-* **receives in place**: with ``state_dict=`` (a callable returning the recovering
-  rank's own state dict, as for ``PGTransport``), tensors and ``DTensor`` local shards
-  are received straight into the existing tensors, chunk by chunk;
+* **receives in place, and a failed heal changes nothing**: with ``state_dict=`` (a
+  callable returning the recovering rank's own state dict, as for ``PGTransport``),
+  tensors and ``DTensor`` local shards are received straight into the existing tensors,
+  chunk by chunk. torchft 0.2's ``Manager`` sends ``{"user": {"default": <the state
+  dict given to it>}, "torchft": ...}``; a key sent under ``['user']['default']`` is
+  looked up as sent, then under ``['user']`` alone, so ``state_dict=lambda: {"user":
+  state_dict()}`` (torchft 0.1's layout) receives in place with either. Before a chunk
+  overwrites this rank's own bytes, a host copy of them is kept until the heal ends: a
+  damaged chunk or a sender that stops midway restores every byte received in place,
+  so a failed heal leaves the rank's state exactly as it was (never a mix of two
+  states), and the copies are freed when the heal ends either way;
 * **does not hold up the healthy ranks**: ``send_checkpoint`` returns at once and
   sends from a background thread; torchft calls ``disallow_checkpoint`` before the
   optimizer changes the state, which waits for the sends. A failed send never stops
   the healthy rank: it is logged and kept in ``send_errors``, and the recovering rank's
-  receive fails by itself, naming the sender.
+  receive fails by itself, naming the sender. A receiver that refuses what it gets (a
+  damaged chunk, the state of another step) still receives the rest and drops it, so
+  the sender finishes as after a good heal instead of blocking until its timeout, and
+  leaves no unmatched send behind to meet the next heal's receives.
   Several recovering ranks are served by one pass over the state: each chunk is sent
   to all of them before the next.
 
 Memory: the sender sends contiguous tensors as they are (a contiguous copy of one
 tensor at a time otherwise, and a host copy of one chunk at a time to hash a device
 tensor); the receiver allocates only the tensors it has no place for (none when
-receiving in place; a staging copy of one tensor when its own is not contiguous) and
-a host copy of one chunk to hash a device tensor.
+receiving in place; a staging copy of one tensor when its own is not contiguous), a
+host copy of one chunk to hash a device tensor, and, receiving in place, the host
+copies of what it overwrites (up to the bytes received in place, on the host, never on
+the device: a staging copy of the whole state would double the device memory the state
+takes, which a model that fills its accelerator does not have).
 
 Install torchft (``pip install torchft``) to use it; this module imports it lazily,
 only to subclass its ``CheckpointTransport``.
@@ -128,24 +142,52 @@ class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
         self._sending = []
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
-        """Receive the state dict ``src_rank`` sends for ``step``, checked chunk by chunk."""
-        from torch.utils._pytree import tree_flatten_with_path, tree_unflatten, treespec_loads
+        """Receive the state dict ``src_rank`` sends for ``step``, checked chunk by chunk.
+
+        On any failure this rank's own tensors are restored to what they held before, and
+        (unless the sender stopped) the rest of what it sends is received and dropped.
+        """
+        from torch.utils._pytree import tree_unflatten, treespec_loads
 
         start = time.perf_counter()
         header = self._recv_header(src_rank, timeout)
-        if header["step"] != step:
-            raise CheckpointError(f"rank {src_rank} sent the state of step {header['step']}, not of step {step}")
-        own = dict(tree_flatten_with_path(self._state_dict())[0]) if self._state_dict else {}
-        receiver = _Receiver(self, src_rank, timeout)
-        values = [receiver.leaf(leaf, own) for leaf in header["leaves"]]
-        state = tree_unflatten(values, treespec_loads(header["treespec"]))
+        receiver = _Receiver(self, src_rank, timeout, header)
+        try:
+            if header["step"] != step:
+                raise CheckpointError(
+                    f"rank {src_rank} sent the state of step {header['step']}, not of step {step}: not taken"
+                )
+            own = self._own_tensors()
+            values = [receiver.leaf(leaf, own) for leaf in header["leaves"]]
+            state = tree_unflatten(values, treespec_loads(header["treespec"]))
+        except BaseException as exc:
+            receiver.abandon(exc)
+            raise
+        finally:
+            receiver.saved.clear()  # the copies of what was overwritten: not needed any more
         moved = sum(int(leaf.get("nbytes", 0)) for leaf in header["leaves"])
         seconds = time.perf_counter() - start
-        self.received.append({"step": step, "from rank": src_rank, "bytes": moved, "seconds": seconds})
+        self.received.append(
+            {"step": step, "from rank": src_rank, "bytes": moved, "in place": receiver.in_place, "seconds": seconds}
+        )
         log.info(
-            "healed: step %d from rank %d, %d bytes in %.3f s, every chunk checked", step, src_rank, moved, seconds
+            "healed: step %d from rank %d, %d bytes (%d in place) in %.3f s, every chunk checked",
+            step,
+            src_rank,
+            moved,
+            receiver.in_place,
+            seconds,
         )
         return state
+
+    def _own_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's own tensors by key, to receive into (none without ``state_dict=``)."""
+        from torch.utils._pytree import tree_flatten_with_path
+
+        if self._state_dict is None:
+            return {}
+        flat = tree_flatten_with_path(self._state_dict())[0]
+        return {_keystr(path): value for path, value in flat if isinstance(value, torch.Tensor)}
 
     def shutdown(self, wait: bool = True) -> None:
         if wait:
@@ -171,6 +213,7 @@ class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
         tensors = [_local(value) for _, value in flat if isinstance(value, torch.Tensor)]
         header = {
             "step": step,
+            "chunk_bytes": self._chunk,  # the receiver follows the sender's chunking
             "treespec": treespec_dumps(spec),
             "leaves": [_describe(path, value) for path, value in flat],
         }
@@ -227,12 +270,21 @@ class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
 
 
 class _Receiver:
-    """Receives the tensors one ``recv_checkpoint`` expects, in the order they were sent."""
+    """Receives the tensors one ``recv_checkpoint`` expects, in the order they were sent.
 
-    def __init__(self, transport: ShardpointTransport, src: int, timeout: timedelta):
+    It knows every chunk the sender will send (from the description), so that a refused
+    heal can take the rest off the wire (:meth:`abandon`), and it keeps a host copy of
+    each of this rank's own chunks before overwriting it (:attr:`saved`), to put them
+    back if the heal fails.
+    """
+
+    def __init__(self, transport: ShardpointTransport, src: int, timeout: timedelta, header: dict):
         self.transport, self.src, self.timeout = transport, src, timeout
-        self.tag = _FIRST_TAG
-        self.staging: torch.Tensor | None = None
+        self.chunk = _chunk_bytes(header.get("chunk_bytes", transport._chunk), src)
+        self.sizes = _chunk_sizes(header["leaves"], self.chunk, src)  # every chunk the sender sends, in order
+        self.done = 0  # chunks received so far (each: its bytes and their checksum)
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own region, a host copy of what it held)
+        self.in_place = 0  # bytes received into this rank's own tensors
 
     def leaf(self, leaf: dict, own: dict) -> Any:
         kind = leaf.get("kind")
@@ -245,32 +297,85 @@ class _Receiver:
             local = torch.empty(leaf["shape"], dtype=_dtype(leaf["dtype"]), device=self.transport._device)
         else:
             local = _local(target)
-        self._fill(local, leaf)
+        self._fill(local, leaf, mine=target is not None)
         if kind == "tensor":
             return target if target is not None else local
         return target if target is not None else _dtensor(local, leaf)
 
-    def _fill(self, local: torch.Tensor, leaf: dict) -> None:
+    def _fill(self, local: torch.Tensor, leaf: dict, mine: bool) -> None:
         key, nbytes = leaf["key"], int(leaf["nbytes"])
         direct = local.is_contiguous()
         data = _bytes_of(local) if direct else torch.empty(nbytes, dtype=torch.uint8, device=local.device)
         if data.numel() != nbytes:
             raise CorruptCheckpointError(f"{key!r} from rank {self.src}: {nbytes} bytes sent, {data.numel()} here")
-        chunk_bytes = self.transport._chunk
-        for start in range(0, nbytes, chunk_bytes):
-            piece = data[start : start + chunk_bytes]
+        for start in range(0, nbytes, self.chunk):
+            piece = data[start : start + self.chunk]
+            if mine and direct:
+                self._keep(piece)
             digest = torch.zeros(1, dtype=torch.int64, device=piece.device)
-            pg, what = self.transport._pg, f"bytes {start}:{start + piece.numel()} of {key!r}"
-            _recv(pg, piece, self.src, self.tag, self.timeout, what)
-            _recv(pg, digest, self.src, self.tag + 1, self.timeout, f"the checksum of {what}")
-            self.tag += 2
+            what = f"bytes {start}:{start + piece.numel()} of {key!r}"
+            self._recv_chunk(piece, digest, what)
             if _xxh3(piece) != int(digest.item()):
                 raise CorruptCheckpointError(
                     f"{what} from rank {self.src} do not match their checksum (XXH3-64): damaged in transit; "
                     "the recovering rank must fetch them again (from another replica, or load a checkpoint)"
                 )
         if not direct:
+            if mine:
+                self._keep(local)
             local.copy_(data.view(local.dtype).view(local.shape))
+        if mine:
+            self.in_place += nbytes
+
+    def _recv_chunk(self, piece: torch.Tensor, digest: torch.Tensor, what: str) -> None:
+        tag = _FIRST_TAG + 2 * self.done
+        _recv(self.transport._pg, piece, self.src, tag, self.timeout, what)
+        _recv(self.transport._pg, digest, self.src, tag + 1, self.timeout, f"the checksum of {what}")
+        self.done += 1
+
+    def _keep(self, region: torch.Tensor) -> None:
+        """Keep a host copy of ``region`` (this rank's own bytes) before they are overwritten."""
+        self.saved.append((region, region.to("cpu", copy=True)))
+
+    def abandon(self, exc: BaseException) -> None:
+        """A failed heal: put this rank's own bytes back, then let the sender finish.
+
+        The sender has posted, or will post, every chunk of the description; a receiver
+        that stopped would leave it blocked until its timeout. Unless the sender is what
+        failed (it stopped or died: nothing more will come) or the caller is being
+        interrupted, the remaining chunks are received into one scratch buffer and dropped.
+        """
+        for region, copy in reversed(self.saved):  # in reverse: views of one storage end as they began
+            region.copy_(copy)
+        self.saved.clear()
+        if not isinstance(exc, Exception) or isinstance(exc, CheckpointTimeoutError) or self.done >= len(self.sizes):
+            return
+        rest = self.sizes[self.done :]
+        scratch = torch.empty(max(rest), dtype=torch.uint8, device=self.transport._device)
+        digest = torch.zeros(1, dtype=torch.int64, device=self.transport._device)
+        try:
+            for size in rest:
+                self._recv_chunk(scratch[:size], digest, "a chunk dropped after a refused heal")
+        except CheckpointTimeoutError as stopped:
+            log.warning("dropping the rest of rank %d's state after a refused heal: %s", self.src, stopped)
+
+
+def _chunk_bytes(value: Any, src: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 1 << 40:
+        raise CorruptCheckpointError(f"rank {src} announced a chunk size of {value!r} bytes")
+    return value
+
+
+def _chunk_sizes(leaves: Any, chunk: int, src: int) -> list[int]:
+    """The size of every chunk the sender sends for ``leaves``, in order."""
+    sizes: list[int] = []
+    for leaf in leaves if isinstance(leaves, list) else ():
+        if isinstance(leaf, dict) and leaf.get("kind") in ("tensor", "dtensor"):
+            nbytes = leaf.get("nbytes")
+            if not isinstance(nbytes, int) or nbytes < 0:
+                raise CorruptCheckpointError(f"rank {src} announced {nbytes!r} bytes for {leaf.get('key')!r}")
+            sizes += [min(chunk, nbytes - start) for start in range(0, nbytes, chunk)]
+    return sizes
 
 
 def _recv(pg: Any, tensor: torch.Tensor, src: int, tag: int, timeout: timedelta, what: str) -> None:
@@ -377,8 +482,9 @@ def _dtensor(local: torch.Tensor, leaf: dict) -> Any:
 
 def _in_place_target(own: dict, leaf: dict, device: torch.device) -> torch.Tensor | None:
     """The recovering rank's own tensor for this key, when it can take the bytes as they are."""
-    for path, value in own.items():
-        if _keystr(path) != leaf["key"] or not isinstance(value, torch.Tensor):
+    for key in _own_keys(leaf["key"]):
+        value = own.get(key)
+        if value is None:
             continue
         local = _local(value)
         same = (
@@ -390,7 +496,22 @@ def _in_place_target(own: dict, leaf: dict, device: torch.device) -> torch.Tenso
         if same:
             return value
         log.warning("%s: the recovering rank's tensor differs from the one sent; a new one is received", leaf["key"])
+        return None
     return None
+
+
+_TORCHFT_USER = "['user']['default']"
+
+
+def _own_keys(sent: str) -> list[str]:
+    """Where this rank keeps the tensor sent under ``sent``: as sent, else in torchft 0.1's layout.
+
+    torchft 0.2's Manager sends the state dict given to it under ``["user"]["default"]``;
+    torchft 0.1 sent it under ``["user"]``, the form the README's ``state_dict=`` shows.
+    """
+    if sent.startswith(_TORCHFT_USER):
+        return [sent, "['user']" + sent[len(_TORCHFT_USER) :]]
+    return [sent]
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
