@@ -192,16 +192,18 @@ def share_outline(reader: SafeMetadata) -> tuple[Metadata, Metadata | None]:
     overlap (:func:`~shardpoint.formats.load_parts.plan`). Returns the outline, and on
     rank 0 the whole metadata (None elsewhere).
 
-    Every rank unpickles the outline with the restricted unpickler, as if read from the
-    file. A failure on rank 0 is raised on every rank, as the same class where it says
-    what is wrong with the checkpoint (damaged, unsafe, unreachable), so a bad checkpoint
-    reads alike everywhere.
+    Every rank but rank 0 unpickles the outline with the restricted unpickler, as if read
+    from the file; rank 0 keeps its own (nothing is pickled at one rank). A failure on
+    rank 0 is raised on every rank, as the same class where it says what is wrong with
+    the checkpoint (damaged, unsafe, unreachable), so a bad checkpoint reads alike everywhere.
     """
-    data, error, whole = None, None, None
+    data, error, whole, outline = None, None, None, None
     if comm.rank() == 0:
         try:
             whole = reader.use_metadata_bytes(reader.read_metadata_bytes())
-            data = pickle.dumps(outline_of(whole), protocol=pickle.HIGHEST_PROTOCOL)
+            outline = outline_of(whole)
+            if comm.world_size() > 1:
+                data = pickle.dumps(outline, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             data, error = None, exc
     failure = None if error is None else (_kind_of(error), f"{type(error).__name__}: {error}")
@@ -213,7 +215,8 @@ def share_outline(reader: SafeMetadata) -> tuple[Metadata, Metadata | None]:
     if failure is not None:
         kind, text = failure
         raise kind(f"rank 0 could not read {DCP_METADATA}: {text}")
-    outline = load_dcp_metadata(data, f"the outline of {reader._metadata_path()}")
+    if outline is None:
+        outline = load_dcp_metadata(data, f"the outline of {reader._metadata_path()}")
     return outline, whole
 
 

@@ -431,7 +431,10 @@ class DistFormat:
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         part = comm.plan_at_root(prepare, plan, "preparing the load")
-        metadata, position = part.metadata(outline, saved)
+        if whole is not None and comm.world_size() == 1:  # the part is the file: not rebuilt chunk by chunk
+            metadata, position = whole, {}
+        else:
+            metadata, position = part.metadata(outline, saved)
         present, plan = local["present"], local["plan"]
         planner = ShardLoadPlanner(present, ctx.directory)
         planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
