@@ -37,7 +37,7 @@ from shardpoint.formats import FormatContext
 from shardpoint.formats.base import CheckpointFormat, write_file, write_torch_file
 from shardpoint.formats.dedup import StoredItems
 from shardpoint.formats.dist_replay import SavePlanCache
-from shardpoint.lifecycle import commit, faults
+from shardpoint.lifecycle import commit, faults, tracker_owner
 from shardpoint.lifecycle.async_save import BackgroundWrite
 from shardpoint.lifecycle.policy import PreservationPolicy
 from shardpoint.lifecycle.retention import BackgroundRetention
@@ -368,6 +368,7 @@ class SavePipeline:
     def _begin(self, name: str, needed: int) -> str:
         # the last save's deletions must be done before free space is measured and written into
         self._retention.wait()
+        tracker_owner.refuse_foreign_tracker(self.storage, self.root, self.layout)  # another run's tracker stays
         if self._lock is not None and not self._lock.held:
             self._lock.acquire()
             commit.clean_leftovers(self.storage, self.root)

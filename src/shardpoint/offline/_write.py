@@ -31,7 +31,7 @@ from shardpoint.errors import CheckpointError
 from shardpoint.formats import FormatContext, get_format
 from shardpoint.formats.base import write_torch_file
 from shardpoint.formats.dist import COMMON_FILE, dcp_writer
-from shardpoint.lifecycle import commit
+from shardpoint.lifecycle import commit, tracker_owner
 from shardpoint.offline._common import ProgressFn, layer_of, param_key_of, single_process, stage_by_name
 from shardpoint.parallel.topology import Topology
 from shardpoint.state.sharding import Shard, divide
@@ -105,6 +105,8 @@ def write_checkpoint(
         pieces = {key: _tp_pieces(key, t, split_dims.get(key), tp) for key, t in tensors.items()}
         write = functools.partial(_write_dist, storage, tensors, pieces, common)
     start = time.perf_counter()
+    if update_tracker:  # before any byte: another run's tracker (Megatron-LM's, DeepSpeed's) stays
+        tracker_owner.refuse_foreign_tracker(storage, storage.root, lay)
     with writer_lock(storage):
         tmp = commit.begin(storage, storage.root, name)
         try:
