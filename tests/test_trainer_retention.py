@@ -46,6 +46,23 @@ def test_the_rule_is_transformers_rotate_checkpoints_in_every_combination(tmp_pa
     assert cases == 6 * 6 + 6 * sum(range(1, 7))
 
 
+def test_a_best_whose_folder_is_gone_takes_no_place_from_the_others(tmp_path):
+    """transformers counts a best it cannot find in ``max(limit, len(protected))`` but deletes only real folders:
+    with ``save_total_limit=1`` it keeps two (issue 54). shardpoint counted that best as a kept folder and deleted
+    one more than transformers does."""
+    cases = 0
+    for count, limit in itertools.product(range(2, 7), (1, 2, 3)):
+        steps = [2 * (i + 1) for i in range(count)]
+        for gone in (1, 3, 99):  # before, between and after the folders that exist
+            folder = tmp_path / f"{count}-{limit}-{gone}"
+            folder.mkdir()
+            expected = _kept_by_transformers(folder, steps, limit, gone)
+            deleted = select_for_deletion([CheckpointInfo(s) for s in steps], [TrainerRetention(limit, gone)], set())
+            assert set(steps) - set(deleted) == expected, (count, limit, gone)
+            cases += 1
+    assert cases == 5 * 3 * 3
+
+
 class _EvaluateOverridden(ShardpointTrainer):
     """``evaluate`` replaced by one that returns its metrics and logs nothing (no log_history entry)."""
 

@@ -7,7 +7,9 @@ approximation from ``keep_last`` and ``keep_best``:
 * no ``save_total_limit`` (or one ``<= 0``): every checkpoint is kept, whatever the metric;
 * otherwise the newest and the best (``state.best_model_checkpoint``, as the Trainer
   computed it) are protected, and the oldest unprotected ones go until
-  ``max(save_total_limit, len(protected))`` are left.
+  ``max(save_total_limit, len(protected))`` are left. A best whose folder is gone
+  counts in ``len(protected)`` (transformers counts the path) but is no folder left:
+  with ``save_total_limit=1`` two folders stay, the newest and the one before it.
 
 The policy only decides; shardpoint's retention deletes (crash-safe, never the tracker's
 checkpoint), after each commit. The best step is the one the Trainer named when the
@@ -36,8 +38,10 @@ class TrainerRetention:
         steps = sorted(c.iteration for c in checkpoints)
         if not self.limit or self.limit <= 0 or len(steps) <= self.limit:
             return set(steps)
-        # as transformers counts them: the best is protected even when its folder is gone
         protected = {steps[-1]} | ({self.best} if self.best is not None else set())
-        room = max(self.limit, len(protected)) - len(protected)
+        # as transformers counts: a best whose folder is gone still raises how many may stay, but is
+        # no folder that stays, so it takes no place from the others
+        keep = max(self.limit, len(protected))
         unprotected = [s for s in steps if s not in protected]
-        return (protected & set(steps)) | set(unprotected[len(unprotected) - room :] if room else ())
+        doomed = unprotected[: max(0, len(steps) - keep)]  # oldest first, until ``keep`` are left
+        return set(steps) - set(doomed)
