@@ -206,8 +206,8 @@ def test_two_writers_of_one_prefix_cannot_both_commit(cloud, cloud_bucket):
     other = threading.Thread(target=lambda: outcome.extend(launch(_stalled_writer, 1, root, env=cloud.env)))
     other.start()
     deadline = time.monotonic() + 60
-    while not fs.exists(f"{root}/iter_0000002/.metadata") and time.monotonic() < deadline:
-        time.sleep(0.2)  # the other job has written its data and waits before its marker
+    while not fs.glob(f"{root}/.shardpoint-tmp-iter_0000002-*/.metadata") and time.monotonic() < deadline:
+        time.sleep(0.2)  # the other job has written its data (staged) and waits before its marker
     state = make_state(22)
     sp.Checkpointer(root).save(2, state)  # this job saves the same iteration and commits first
     other.join(120)
