@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -181,14 +181,20 @@ class _Table:
         file = np.full(len(chunks), -1, np.int32)  # -1: no stored data listed
         offset, length = np.zeros(len(chunks), np.int64), np.zeros(len(chunks), np.int64)
         storage = metadata.storage_data or {}
-        rows = np.fromiter((at.get((index.fqn, index.offset), -1) for index in storage), np.int64, len(storage))
+        # the others (-1): a pickled object's bytes (refused when asked for), not a tensor's chunk
+        rows = np.fromiter(map(at.get, map(_fqn_offset, storage), itertools.repeat(-1)), np.int64, len(storage))
         infos = list(storage.values())
-        names: dict[Any, int] = {}  # a path, or (path, DCP's transform descriptors) where it has any
-        ids = [names.setdefault(_file_of(info), len(names)) for info in infos]
-        tensor_rows = rows >= 0  # the others: a pickled object's bytes (refused when asked for), not a tensor's chunk
-        file[rows[tensor_rows]] = np.array(ids, np.int64)[tensor_rows]
-        offset[rows[tensor_rows]] = np.fromiter((info.offset for info in infos), np.int64, len(infos))[tensor_rows]
-        length[rows[tensor_rows]] = np.fromiter((info.length for info in infos), np.int64, len(infos))[tensor_rows]
+        paths = list(map(_relative_path, infos))
+        descriptors = list(
+            map(getattr, infos, itertools.repeat("transform_descriptors"), itertools.repeat(None))
+        )  # torch >= 2.7
+        if any(descriptors):
+            paths = [(path, tuple(d)) if d else path for path, d in zip(paths, descriptors)]
+        names = {name: i for i, name in enumerate(dict.fromkeys(paths))}  # a path, or (path, descriptors)
+        chunk = rows >= 0
+        file[rows[chunk]] = np.fromiter(map(names.__getitem__, paths), np.int64, len(paths))[chunk]
+        offset[rows[chunk]] = np.fromiter(map(_offset, infos), np.int64, len(infos))[chunk]
+        length[rows[chunk]] = np.fromiter(map(_length, infos), np.int64, len(infos))[chunk]
         files = [name if isinstance(name, tuple) else (name, None) for name in names]
         return cls(base, starts, sizes, nbytes, file, offset, length, files)
 
@@ -196,10 +202,8 @@ class _Table:
         return (np.searchsorted(self.base, positions, side="right") - 1).astype(np.int32)
 
 
-def _file_of(info: Any) -> Any:
-    """A stored item's file: its path, or (path, DCP's transform descriptors) where it has any (torch >= 2.7)."""
-    descriptors = getattr(info, "transform_descriptors", None)
-    return (info.relative_path, tuple(descriptors)) if descriptors else info.relative_path
+_fqn_offset = operator.attrgetter("fqn", "offset")  # of a MetadataIndex
+_relative_path, _offset, _length = map(operator.attrgetter, ("relative_path", "offset", "length"))  # of a _StorageInfo
 
 
 def _check_dims(

@@ -13,6 +13,7 @@ Stored items are named by their position, which rank 0 gives every rank
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -75,9 +76,9 @@ def plan_reads(needs: Needs, files: Sequence[str]) -> dict[str, int]:
     """
     if not len(needs.ranks):
         return {}
-    names = sorted(set(files[at] for at in needs.items().tolist()))
+    names = sorted(set(map(files.__getitem__, needs.items().tolist())))
     file_id = {name: i for i, name in enumerate(names)}
-    of_item = np.fromiter((file_id.get(name, -1) for name in files), dtype=np.int64, count=len(files))
+    of_item = np.fromiter(map(file_id.get, files, itertools.repeat(-1)), dtype=np.int64, count=len(files))
     key = of_item[needs.positions] * needs.world + needs.ranks  # (file, rank)
     pairs, inverse = np.unique(key, return_inverse=True)
     wanted = np.bincount(inverse, weights=needs.lengths, minlength=len(pairs)).astype(np.int64)
@@ -116,7 +117,7 @@ def plan_sharing(
     starts = np.concatenate(([0], np.flatnonzero(np.diff(needs.positions)) + 1))
     ends = np.append(starts[1:], len(needs.positions))
     items = needs.positions[starts].tolist()
-    item_reader = np.fromiter((readers[files[at]] for at in items), dtype=np.int64, count=len(items))
+    item_reader = np.fromiter(map(readers.__getitem__, map(files.__getitem__, items)), dtype=np.int64, count=len(items))
     # only items some rank other than their reader needs cost anything (one needer: its own reader)
     shared = np.logical_or.reduceat(needs.ranks != np.repeat(item_reader, ends - starts), starts)
     for i in np.flatnonzero(shared).tolist():
