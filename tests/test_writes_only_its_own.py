@@ -171,3 +171,30 @@ def test_every_rank_gets_the_refusal(tmp_path):
     assert all(o.startswith("ForeignDataError") or MEGATRON_TRACKER in o for o in outcomes), outcomes
     assert all(MEGATRON_TRACKER in o for o in outcomes), outcomes
     assert {k: v for k, v in tree(root).items() if k != ".shardpoint.lock"} == before
+
+
+# ----------------------------------------------------------------- prune and a dead re-save's trash
+def test_prune_puts_back_a_moved_aside_checkpoint_before_retiring_what_it_refers_to(tmp_path, capsys):
+    """iter_10 is held (retired, its frozen file kept) for iter_30 alone; a re-save of iter_30 died between the
+    two renames of its publish, leaving iter_30 as ``.shardpoint-trash-*``. prune used to retire held directories
+    first (the trash is no referrer it lists), deleting iter_10's file, and then put iter_30 back without it."""
+    root = tmp_path / "run"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model[0].requires_grad_(False)
+    train = sp.TrainState(model=model, optimizer=torch.optim.SGD(model[1].parameters(), lr=0.1))
+    with sp.Checkpointer(root) as ckpt:
+        ckpt.save(10, train)  # writes the frozen layer
+        ckpt.save(30, train)  # refers to iter_0000010's file for it
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+            model[0].bias.add_(1.0)
+        ckpt.save(40, train)  # the frozen layer changed: its own bytes, refers to nothing
+    assert run(capsys, "prune", root, "--keep-last", "2")[0] == 0  # iter_0000010: held for iter_0000030
+    assert (root / "iter_0000010" / ".shardpoint-referenced").is_file()
+    moved = root / ".shardpoint-trash-iter_0000030-4242"  # what a publish killed between its renames leaves
+    (root / "iter_0000030").rename(moved)
+    code, err = run(capsys, "prune", root, "--keep-last", "2")
+    assert code == 0, err
+    assert not moved.exists() and verifies(root / "iter_0000030"), check_checkpoint("", str(root / "iter_0000030"))
+    assert verifies(root / "iter_0000040")

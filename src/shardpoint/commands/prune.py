@@ -6,7 +6,9 @@ The rules are the ones a :class:`~shardpoint.Checkpointer` applies after each sa
 so pruning by hand keeps what the job would have kept. Never deleted: the
 checkpoint the tracker names (a resume needs it), ``release/``, and directories
 without a marker (possibly a save in progress; ``verify --all`` reports them).
-Leftover temporary directories of interrupted saves are removed too.
+Leftover temporary directories of interrupted saves are removed too, first: a
+checkpoint that a re-save which died had moved aside is put back before retention
+decides, as a held directory's files may be kept only for it.
 
 Pruning a local directory takes its writer lock (:mod:`shardpoint.storage.lock`), so it
 refuses to run while a job saves there: that job's save in progress would look like
@@ -119,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         # locally, refuses while a job saves here: its save in progress looks like a leftover
         with offline.writer_lock(storage):
+            # leftovers first: a checkpoint a dead re-save moved aside is put back before anything is decided,
+            # since it may be the only one that still refers to a held directory's files
+            removed = commit.clean_leftovers(storage, root) if storage.supports_rename else []
             report = plan(root, policies, storage)
+            report["leftovers"] = removed
             _delete(storage, root, report)
     report["dry_run"] = args.dry_run
     out.emit_json(report)
@@ -133,8 +139,6 @@ def _delete(storage: Storage, root: str, report: dict[str, Any]) -> None:
             commit.retire(storage, root, row["name"])  # keeps the files that kept checkpoints refer to
     for name in references.held_dirs(storage, root):
         commit.retire(storage, root, name)  # a held directory no one refers to any more goes
-    if storage.supports_rename:
-        commit.clean_leftovers(storage, root)  # under the writer lock: no save is in progress
 
 
 def _print(out: Output, report: dict[str, Any]) -> None:
