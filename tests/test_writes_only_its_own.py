@@ -90,7 +90,7 @@ def test_export_to_hf_over_an_earlier_export_is_refused_and_changes_nothing(tmp_
     assert run(capsys, "export", MEGATRON, "--to", "hf", tmp_path / "empty")[0] == 0
 
 
-def test_export_to_safetensors_or_release_into_a_checkpoint_is_refused(tmp_path, capsys):
+def test_export_and_convert_into_a_checkpoint_are_refused(tmp_path, capsys):
     source = shardpoint_run(tmp_path / "src")
     other = shardpoint_run(tmp_path / "other", (1, 2))
     before = tree(other)
@@ -98,6 +98,9 @@ def test_export_to_safetensors_or_release_into_a_checkpoint_is_refused(tmp_path,
     assert code != 0 and "inside the shardpoint checkpoint" in err, err
     code, err = run(capsys, "export", source, "--to", "release", other)  # would move its tracker to 'release'
     assert code != 0 and str(other) in err and MEGATRON_TRACKER in err and "new or empty directory" in err, err
+    for how in ([], ["--to", "megatron", "--tp", 1, "--pp", 1]):  # convert writes a new save directory too
+        code, err = run(capsys, "convert", *how, source, other / "iter_0000002" / "converted")
+        assert code != 0 and "inside the shardpoint checkpoint" in err, err
     assert tree(other) == before and all(verifies(other / n) for n in ("iter_0000001", "iter_0000002"))
     assert run(capsys, "export", source, "--to", "release", tmp_path / "release")[0] == 0
 

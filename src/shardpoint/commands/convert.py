@@ -10,6 +10,9 @@ reshard on load and need conversion only to change format or directory names.
 SRC and DST may each be a local path or ``s3://bucket/prefix``. A destination on
 object storage is written in place and committed by its marker, then the tracker
 (:mod:`shardpoint.lifecycle.commit`); unlike a local one it has no writer lock.
+DST is never inside a checkpoint, and a shardpoint checkpoint is never written where
+another tool (Megatron-LM, DeepSpeed) wrote the tracker: both are refused before
+anything is written (:mod:`shardpoint.lifecycle.tracker_owner`).
 
 ``--from megatron|deepspeed|auto`` imports a Megatron-LM (legacy ``torch`` or
 ``torch_dist``, distributed optimizer included) or DeepSpeed / GPT-NeoX checkpoint as a
@@ -30,6 +33,7 @@ import os
 from typing import Any
 
 from shardpoint import offline
+from shardpoint.commands import targets
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded
 from shardpoint.storage.base import open_storage
 
@@ -138,6 +142,8 @@ def _positive(text: str) -> int:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
+    if open_storage(args.dst).is_local:  # a checkpoint's files are the ones its marker lists: none added
+        targets.refuse_inside_checkpoint(args.dst, args.dst)
     if args.from_tool or args.to_tool:
         return _foreign(out, args)
     if args.dp is not None or args.ep is not None or args.distributed_optimizer:

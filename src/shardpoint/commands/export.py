@@ -16,11 +16,10 @@
 SRC may be local or ``s3://bucket/prefix``. A release checkpoint may be written to
 either too; safetensors files and Hugging Face directories are written locally only.
 
-An export writes something new and never into or over what exists (:func:`refuse_target`,
-before anything is read): ``hf`` and ``release`` need a new or empty directory, a
-safetensors file a name not taken, and none may lie inside a shardpoint checkpoint
-(files its marker does not list make ``verify`` report it damaged). Writing over an
-earlier export would mix two models' files; a tracker in OUT belongs to another run.
+An export writes something new and never into or over what exists, checked before
+anything is read (:func:`shardpoint.commands.targets.refuse_export_target`): ``hf`` and
+``release`` need a new or empty directory, a safetensors file a name not taken, and
+none may lie inside a shardpoint checkpoint.
 
 safetensors stores metadata as strings only and reserves the name ``__metadata__``
 (safetensors issue 849: such a file could be written but not read back), so names
@@ -40,17 +39,18 @@ import torch
 
 from shardpoint import offline
 from shardpoint.catalog.metadata import MARKER_NAME
+from shardpoint.commands import targets
 from shardpoint.commands._hf import hf_function
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes
 from shardpoint.commands.inspect import read_common
 from shardpoint.errors import CheckpointError
 from shardpoint.state.train_state import MODEL_PREFIX
-from shardpoint.storage.base import OWN_MARKERS, open_storage
+from shardpoint.storage.base import open_storage
 
 if TYPE_CHECKING:
     from shardpoint.foreign import ForeignCheckpoint
 
-__all__ = ["DTYPES", "add_parser", "model_tensors", "refuse_target", "run", "write_safetensors"]
+__all__ = ["DTYPES", "add_parser", "model_tensors", "run", "write_safetensors"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RESERVED = "__metadata__"
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.vocab_size is not None and args.to != "hf":
         raise ValueError("--vocab-size applies to --to hf only")
-    refuse_target(args.to, args.out)
+    targets.refuse_export_target(args.to, args.out)
     if args.to == "hf":
         megatron = _megatron_source(args.src, args.iteration)
         if megatron is not None:
@@ -228,56 +228,6 @@ def model_tensors(
     return found
 
 
-def refuse_target(to: str, out: str) -> None:
-    """Raise, before anything is read or written, when exporting ``--to`` ``to`` into ``out`` would write into or
-    over what exists (see the module docstring).
-
-    Raises:
-        CheckpointError: naming ``out``, what it holds, and the fix (a new or empty directory, another name).
-    """
-    if to == "safetensors":
-        target = _safetensors_path(out)
-        if os.path.exists(target):
-            raise CheckpointError(f"{target} exists already; remove it or choose another output name")
-        _refuse_inside_checkpoint(os.path.dirname(target), out)
-        return
-    storage = open_storage(out)
-    if storage.exists(storage.root):
-        names = storage.listdir(storage.root) if storage.is_dir(storage.root) else None
-        if names is None or names:
-            what = "a Hugging Face model directory" if to == "hf" else "a save directory with a release checkpoint"
-            held = "is a file" if names is None else "holds " + ", ".join(names[:5]) + (", ..." * (len(names) > 5))
-            raise CheckpointError(
-                f"{storage.root} exists and {held}; export --to {to} writes {what} and never writes into or over "
-                "existing files (an earlier export, a checkpoint, another run's tracker): choose a new or empty "
-                "directory"
-            )
-    if storage.is_local:
-        _refuse_inside_checkpoint(storage.root, out)
-
-
-def _refuse_inside_checkpoint(directory: str, out: str) -> None:
-    """Raise when ``directory`` or a folder above it is a shardpoint checkpoint (it holds one of its markers)."""
-    path = os.path.abspath(directory)
-    while True:
-        found = [m for m in OWN_MARKERS if os.path.exists(os.path.join(path, m))]
-        if found:
-            raise CheckpointError(
-                f"{out} is inside the shardpoint checkpoint {path} (it holds {found[0]}); files written there are "
-                "not in its marker, so verify would report it damaged: choose a directory outside any checkpoint"
-            )
-        parent = os.path.dirname(path)
-        if parent == path:
-            return
-        path = parent
-
-
-def _safetensors_path(out: str) -> str:
-    """The file ``--to safetensors`` writes: ``out``, or ``out/model.safetensors`` when ``out`` is a directory."""
-    path = os.path.join(out, "model.safetensors") if os.path.isdir(out) or out.endswith(os.sep) else out
-    return os.path.abspath(path)
-
-
 def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str, metadata: Mapping[str, str]) -> str:
     """Write ``tensors`` (``model.`` prefix removed) to ``out`` atomically; returns the file written.
 
@@ -289,7 +239,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str, metadata: M
 
     flat = {key[len(MODEL_PREFIX) :]: t for key, t in tensors.items()}
     _validate_names(flat, metadata)
-    path = _safetensors_path(out)
+    path = targets.safetensors_path(out)
     if os.path.exists(path):
         raise CheckpointError(f"{path} exists already; remove it or choose another output name")
     os.makedirs(os.path.dirname(path), exist_ok=True)
