@@ -17,12 +17,14 @@ plain ``dcp.load`` with those readers works as before (each reader reads the fil
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -143,19 +145,7 @@ def check_stored_items(metadata: Metadata, size_of: Callable[[str], int], where:
     Raises:
         CorruptCheckpointError: naming the file or the tensor, and ``where``.
     """
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name, offset, length = info.relative_path, info.offset, info.length
-        if not isinstance(name, str) or not _counts(offset, length):
-            raise CorruptCheckpointError(f"{where}: {DCP_METADATA} holds a malformed storage record {info!r}"[:400])
-        ends[name] = max(ends.get(name, 0), offset + length)
-    sizes = {name: size_of(name) for name in ends}
-    for name, end in ends.items():
-        if end > sizes[name]:
-            raise CorruptCheckpointError(
-                f"checkpoint {where} is damaged or crafted: {DCP_METADATA} places stored bytes of {name} up to byte "
-                f"{end}, past its {sizes[name]} bytes; nothing was read. Load another iteration"
-            )
+    sizes = _check_items_in_files(metadata, size_of, where)
     total, claimed = sum(sizes.values()), [0, 0]
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -169,13 +159,50 @@ def check_stored_items(metadata: Metadata, size_of: Callable[[str], int], where:
                 )
 
 
+def _check_items_in_files(metadata: Metadata, size_of: Callable[[str], int], where: str) -> dict[str, int]:
+    """Each stored item within its file (one pass over the items, the arithmetic in numpy); the files' sizes."""
+    infos = list((metadata.storage_data or {}).values())
+    names = [info.relative_path for info in infos]
+    try:
+        if not set(map(type, names)) <= {str}:
+            raise TypeError("a file name that is not a string")
+        offsets = np.array([info.offset for info in infos], np.int64)
+        lengths = np.array([info.length for info in infos], np.int64)
+        if offsets.dtype != np.int64 or lengths.dtype != np.int64:
+            raise TypeError("not integers")
+    except (TypeError, ValueError, OverflowError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{where}: {DCP_METADATA} holds a malformed storage record ({exc})") from None
+    if len(infos) and (min(offsets.min(), lengths.min()) < 0 or max(offsets.max(), lengths.max()) >= 1 << 62):
+        raise CorruptCheckpointError(f"{where}: {DCP_METADATA} holds a negative or impossible offset or length")
+    index: dict[str, int] = {}
+    ids = np.fromiter((index.setdefault(name, len(index)) for name in names), np.int64, len(names))
+    ends = np.zeros(len(index), np.int64)
+    np.maximum.at(ends, ids, offsets + lengths)
+    sizes = {name: size_of(name) for name in index}
+    for name, end in zip(index, ends.tolist()):
+        if end > sizes[name]:
+            raise CorruptCheckpointError(
+                f"checkpoint {where} is damaged or crafted: {DCP_METADATA} places stored bytes of {name} up to byte "
+                f"{end}, past its {sizes[name]} bytes; nothing was read. Load another iteration"
+            )
+    return sizes
+
+
 def _tensor_bytes(key: str, md: TensorStorageMetadata, where: str) -> tuple[int, int]:
     """The bytes of a tensor at full size, and of its chunks together (see :func:`check_stored_items`)."""
-    itemsize = md.properties.dtype.itemsize
-    chunk_sizes = [chunk.sizes for chunk in md.chunks]
-    if not _counts(*md.size) or not all(_counts(*sizes) for sizes in chunk_sizes):
-        raise CorruptCheckpointError(f"{where}: {DCP_METADATA} gives {key!r} a size that is not a count; it is damaged")
-    return math.prod(md.size) * itemsize, sum(math.prod(sizes) for sizes in chunk_sizes) * itemsize
+    itemsize, ndim, count = md.properties.dtype.itemsize, len(md.size), len(md.chunks)
+    try:
+        if not _counts(*md.size) or any(len(chunk.sizes) != ndim for chunk in md.chunks):
+            raise ValueError("not a count")
+        rows = np.fromiter(itertools.chain.from_iterable(c.sizes for c in md.chunks), np.int64, count * ndim)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        raise CorruptCheckpointError(
+            f"{where}: {DCP_METADATA} gives {key!r} or one of its chunks a size that is not a count; it is damaged"
+        ) from None
+    if rows.size and rows.min() < 0:
+        raise CorruptCheckpointError(f"{where}: {DCP_METADATA} gives a chunk of {key!r} a negative size; it is damaged")
+    chunk_elements = rows.reshape(count, ndim).prod(axis=1, dtype=np.float64).sum()  # a bound: floats cannot overflow
+    return math.prod(md.size) * itemsize, int(min(chunk_elements * itemsize, 2.0**80))
 
 
 def _counts(*values: Any) -> bool:
