@@ -54,7 +54,9 @@ class Layout:
     def parse_dir_name(self, name: str) -> int | None:
         """Iteration of a directory name, or None when it is not one of ours."""
         match = re.fullmatch(self.dir_pattern, name)
-        return int(match.group(1)) if match else None
+        # an iteration has at most 18 digits (int64): longer is no name of ours, and int() of
+        # thousands of digits raises a ValueError that would escape as a generic error
+        return int(match.group(1)) if match and len(match.group(1)) <= MAX_DIGITS else None
 
     def tracker_text(self, iteration: int | None) -> str:
         if iteration is None:
@@ -71,7 +73,7 @@ class Layout:
         value = text.strip()
         if value == RELEASE:
             return None
-        if re.fullmatch("[0-9]+", value):
+        if re.fullmatch(f"[0-9]{{1,{MAX_DIGITS}}}", value):
             return int(value)
         iteration = self.parse_dir_name(value)
         if iteration is None:
@@ -81,6 +83,8 @@ class Layout:
             )
         return iteration
 
+
+MAX_DIGITS = 18  # digits of the largest iteration a name or tracker may give (int64)
 
 LAYOUTS: dict[str, Layout] = {
     "megatron": Layout("megatron", "latest_checkpointed_iteration.txt", "iter_{:07d}", r"iter_([0-9]+)", False),

@@ -33,6 +33,7 @@ import logging
 import os
 import pickle
 import signal
+import struct
 import threading
 import zipfile
 from typing import Any
@@ -194,6 +195,25 @@ _SAFE_GLOBALS = [(obj, name) for name, obj in ALLOWED.items()]
 _LOCK = threading.Lock()
 
 
+# What the pickle machine and torch's zip reader raise on damaged bytes (a flipped opcode
+# gives UnpicklingError, a bad memo index KeyError or IndexError, a cut stream EOFError,
+# a bad length struct.error or OverflowError): each means "damaged", not a bug of ours.
+_DAMAGED: tuple[type[BaseException], ...] = (
+    pickle.UnpicklingError,
+    ValueError,
+    RuntimeError,
+    zipfile.BadZipFile,
+    EOFError,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    OverflowError,
+    struct.error,
+    MemoryError,
+)
+
+
 def load_foreign(source: str | os.PathLike[str] | bytes, name: str | None = None) -> Any:
     """Read a Megatron-LM / DeepSpeed ``torch.save`` file (a path or its bytes) without running code.
 
@@ -206,8 +226,8 @@ def load_foreign(source: str | os.PathLike[str] | bytes, name: str | None = None
     with _LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS):
         try:
             unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(opened))
-        except (ValueError, RuntimeError, zipfile.BadZipFile, EOFError, KeyError) as exc:
-            raise CorruptCheckpointError(f"{where} is not a readable torch.save file ({exc})") from None
+        except _DAMAGED as exc:
+            raise CorruptCheckpointError(f"{where} is not a readable torch.save file ({_last_line(exc)})") from None
         if unsafe:
             raise UnsafeCheckpointError(
                 f"{where} asks to load {', '.join(unsafe)}, which shardpoint never builds from a checkpoint "
@@ -220,7 +240,7 @@ def load_foreign(source: str | os.PathLike[str] | bytes, name: str | None = None
             return torch.load(opened, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(f"{where}: refused by the weights-only unpickler ({_last_line(exc)})") from None
-        except (RuntimeError, zipfile.BadZipFile, EOFError, OSError) as exc:
+        except (*_DAMAGED, OSError) as exc:
             raise CorruptCheckpointError(f"{where} cannot be read ({_last_line(exc)}); the file is damaged") from None
 
 

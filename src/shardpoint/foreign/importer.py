@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from shardpoint.errors import CheckpointError
+from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint
 from shardpoint.foreign.deepspeed import is_deepspeed_dir, read_deepspeed
 from shardpoint.foreign.megatron import MODEL_FILE, is_legacy_dir, read_legacy
@@ -68,16 +68,40 @@ def locate(path: str | os.PathLike[str], iteration: int | None = None) -> str:
     for tracker in (MEGATRON_TRACKER, DEEPSPEED_TRACKER):
         file = os.path.join(path, tracker)
         if os.path.isfile(file):
-            with open(file) as f:
-                text = f.read().strip()
-            name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else text
+            name = _tracked_name(file)
             if os.path.isdir(os.path.join(path, name)):
                 return os.path.join(path, name)
-            raise CheckpointError(f"{file} names {text!r}, but {os.path.join(path, name)} does not exist")
+            raise CheckpointError(f"{file} names {name!r}, but {os.path.join(path, name)} does not exist")
     raise CheckpointError(
         f"{path} is neither a Megatron-LM / DeepSpeed checkpoint directory nor a save directory with "
         f"{MEGATRON_TRACKER} or {DEEPSPEED_TRACKER}; pass the iteration directory"
     )
+
+
+def _tracked_name(file: str) -> str:
+    """The directory a Megatron-LM or DeepSpeed tracker names: one plain name beside it, never a path.
+
+    The tracker is someone else's file: read at most a few bytes of it, and refuse what is
+    not text or would lead outside the save directory (``..``, ``/``, NUL).
+    """
+    with open(file, "rb") as f:
+        raw = f.read(_MAX_TRACKER_BYTES + 1)
+    try:
+        text = raw.decode().strip()
+    except UnicodeDecodeError:
+        text = None
+    if text and text.isdigit() and len(text) <= 18:
+        return f"iter_{int(text):07d}"
+    if len(raw) > _MAX_TRACKER_BYTES or not text or text in (".", "..") or any(c in text for c in "/\\\x00"):
+        shown = repr(raw[:40]) if text is None else repr(text[:40])
+        raise CorruptCheckpointError(
+            f"tracker {file} holds {shown}, which names no checkpoint directory beside it; write the iteration "
+            "(Megatron-LM) or the tag (DeepSpeed) into it, or pass the iteration directory itself"
+        )
+    return text
+
+
+_MAX_TRACKER_BYTES = 4096
 
 
 def find_foreign(path: str | os.PathLike[str], iteration: int | None = None) -> str | None:

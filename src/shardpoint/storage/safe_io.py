@@ -22,7 +22,6 @@ import gc
 import io
 import pickle
 import threading
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -176,9 +175,9 @@ def safe_torch_load(source: Any, *, mmap: bool = False, name: str | None = None)
             f"{where} contains objects that weights-only loading refuses ({_first_line(exc)}); shardpoint never "
             "unpickles arbitrary classes. If you trust this file, convert it with the tool that made it."
         ) from None
-    except (RuntimeError, zipfile.BadZipFile, EOFError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - damaged bytes make the unpickler raise anything (IndexError, KeyError...)
         raise CorruptCheckpointError(
-            f"{where} cannot be read ({_first_line(exc)}); the file is damaged or truncated"
+            f"{where} cannot be read ({type(exc).__name__}: {_first_line(exc)}); the file is damaged or truncated"
         ) from None
 
 
