@@ -277,6 +277,8 @@ class Checkpointer:
         finally:
             self._saver.close()
             self._loader.close()
+            if self.mirror is not None:
+                self.mirror.close()  # a local upload_to directory's writer lock
 
     def __enter__(self) -> Checkpointer:
         return self
