@@ -146,8 +146,10 @@ def _stored_item_problems(storage: Storage, directory: str, meta: CheckpointMeta
     ``verify`` must say so too, or it would pass a checkpoint whose data lies elsewhere.
     Checked after the files themselves, so ``.metadata`` is unpickled only once its checksum matches.
     """
+    if meta.format not in ("dist", "torchtitan"):  # the formats written through DCP
+        return []
     if DCP_METADATA not in meta.files:
-        return [{"file": DCP_METADATA, "problem": f"not listed in {MARKER_NAME}"}] if meta.format != "torch" else []
+        return [{"file": DCP_METADATA, "problem": f"not listed in {MARKER_NAME}"}]
     try:
         dcp_reader(storage, directory, listed=meta.files).read_metadata()
     except CheckpointError as exc:
