@@ -198,3 +198,119 @@ def test_a_tensor_read_straight_into_its_target_is_read_once_and_checked_whole(t
     result = sp.Checkpointer(str(tmp_path)).load(sp.TrainState(_Tensors(loaded)))
     assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
     assert result.bytes_read == sum(f.stat().st_size for f in files)
+
+
+# ------------------------------------------------------- counted: a load's planning per tensor
+def _calls(step) -> int:
+    """Python and built-in function calls made while ``step`` runs: its per-item work, counted, not timed."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def _calls_per_tensor(run, small: int = 200, large: int = 400) -> float:
+    """What one more tensor adds (the fixed cost cancels): ``run(n)`` prepares n tensors and returns the step."""
+    steps = run(small), run(large)
+    return (_calls(steps[1]) - _calls(steps[0])) / (large - small)
+
+
+def _saved(n: int, saved_by: int):
+    """The whole ``.metadata`` of n (8, 16) tensors saved by ``saved_by`` ranks, row bands of each."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    rows, tensors, storage = 8 // saved_by, {}, {}
+    for i in range(n):
+        key = f"model.t{i:05d}"
+        chunks = [ChunkStorageMetadata(torch.Size((r * rows, 0)), torch.Size((rows, 16))) for r in range(saved_by)]
+        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size((8, 16)), chunks)
+        for r, chunk in enumerate(chunks):
+            storage[MetadataIndex(key, chunk.offsets)] = _StorageInfo(f"__{r}_0.distcp", 600 * i, 600)
+    return Metadata(tensors, storage_data=storage)
+
+
+def _load_planning(world: int):
+    """A load's planning at ``world`` ranks in one process, as ``DistFormat.load`` runs it (no process group).
+
+    Each rank's boxes, rank 0's plan of every rank's part, and on each rank its part's
+    DCP metadata and DCP's planner over it (the saved layout: rank r holds row band r).
+    """
+    from shardpoint.formats import load_parts
+    from shardpoint.formats.base import wanted_summary
+    from shardpoint.formats.dcp_metadata import outline_of
+    from shardpoint.formats.dist import ShardLoadPlanner
+
+    def run(n: int):
+        whole, rows = _saved(n, world), 8 // world
+        targets = [
+            {f"model.t{i:05d}": sp.Shard(torch.zeros(rows, 16), (8, 16), (r * rows, 0)) for i in range(n)}
+            for r in range(world)
+        ]
+
+        def step() -> None:
+            outline = outline_of(whole)
+            saved = sorted(outline.state_dict_metadata)
+            requests = [
+                load_parts.Request(wanted_summary(t, saved), *load_parts.boxes_of(t, outline, saved), ("cpu",))
+                for t in targets
+            ]
+            parts = load_parts.plan(whole, requests, world > 1, 1 << 30, "here")
+            for rank, (part, present) in enumerate(zip(parts, targets)):
+                metadata, _ = part.metadata(outline, saved)
+                planner = ShardLoadPlanner(present, "here")
+                planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, rank == 0)
+                assert len(planner.create_local_plan().items) == n
+                if part.shared:
+                    part.assignment(rank)
+
+        return step
+
+    return run
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_loads_planning_makes_a_few_calls_per_tensor_and_rank(world):
+    """Counted: no Python step per tensor in the plan beyond DCP's planner's own (issue 59's regression).
+
+    Measured per tensor and rank: 35 (about 25 of them DCP's planner and the objects it
+    takes); 80 to 110 when rank 0 tested each tensor's boxes in a Python step of its own
+    (2-3x ``torch.load``'s time on a rank of 10,000 small tensors).
+    """
+    per_tensor_and_rank = _calls_per_tensor(_load_planning(world)) / world
+    assert per_tensor_and_rank <= 45, per_tensor_and_rank
+
+
+def test_a_whole_load_makes_a_bounded_number_of_calls_per_tensor(tmp_path):
+    """Counted end to end on one rank: planning, reads, checks and placing, per tensor (issue 59's regression).
+
+    Measured: 150 before load parts, about 200 now (the bounds check of ``.metadata``'s
+    items included), 295 with a Python step per tensor in the load's plan.
+    """
+    folders = iter(range(2))
+
+    def run(n: int):
+        root = tmp_path / str(next(folders))
+        tensors = {f"t{i}": torch.full((16,), float(i)) for i in range(n)}
+        with sp.Checkpointer(str(root)) as ckpt:
+            ckpt.save(1, sp.TrainState(_Tensors(tensors)))
+        loaded = {k: torch.zeros_like(t) for k, t in tensors.items()}
+        loader = sp.Checkpointer(str(root))
+        return lambda: loader.load(sp.TrainState(_Tensors(loaded)))
+
+    per_tensor = _calls_per_tensor(run)
+    assert per_tensor <= 240, per_tensor
