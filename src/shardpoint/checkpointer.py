@@ -270,6 +270,14 @@ class Checkpointer:
         self._finalize(blocking=True)
         self._saver.wait_deletions()
 
+    def poll(self) -> None:
+        """Commit a pending async (or local-tier) save whose files every rank has written, without waiting.
+
+        Collective: every rank calls it at the same point (a training loop's per-step hook,
+        such as Megatron's ``maybe_finalize_async_save(blocking=False)``).
+        """
+        self._finalize(blocking=False)
+
     def close(self) -> None:
         """Commit pending async and local-tier saves, wait for background deletions, release the writer lock."""
         try:

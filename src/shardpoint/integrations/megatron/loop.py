@@ -1,0 +1,364 @@
+"""Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` (and async finalize), done by shardpoint.
+
+The replacements keep Megatron's signatures (core_v0.16.1) and return values, read
+Megatron's own flags from ``get_args()``, and hand the job's objects to a
+:class:`~shardpoint.Checkpointer` as a :class:`~shardpoint.TrainState` (see
+:mod:`.state`). Megatron's loop still decides *when* to save (``--save-interval``, the
+exit signal handler, ``--exit-interval``, ``--exit-duration-in-mins``, the final save)
+and times the save outside its throughput, as with its own saves.
+
+Flag by flag (:data:`HONOURED`, :data:`NOT_APPLICABLE`):
+
+* ``--save`` / ``--load`` / ``--pretrained-checkpoint`` (loaded in finetune mode when
+  ``--load`` has none), ``--finetune``, ``--no-load-optim``, ``--no-load-rng``,
+  ``--ckpt-step``, ``--exit-on-missing-checkpoint``: the same meaning.
+* ``--no-save-optim``: no optimizer or scheduler state; ``--no-save-rng``: not the
+  tensor-parallel tracker (the process-wide streams are always recorded, and cost nothing).
+* ``--async-save``: ``Checkpointer(async_save=True)``; the commit happens in Megatron's
+  ``maybe_finalize_async_save`` hook, in the next save, or at the end.
+* ``--save-retain-interval N``: keep the newest checkpoint and every N-th.
+* ``--non-persistent-save-interval`` with ``--non-persistent-ckpt-type local``:
+  shardpoint's local tier in ``--non-persistent-local-ckpt-dir`` (replicas on other
+  nodes, newest complete iteration of any tier on load); ``global``: a checkpoint in
+  ``--non-persistent-global-ckpt-dir`` (default ``<save>/non_persistent``) of which only
+  the newest is kept.
+* ``--dist-ckpt-strictness``: ``log_*``/``return_*``/``ignore_all`` load non-strictly,
+  the rest strictly (missing keys are an error either way, as in Megatron).
+* ``--use-checkpoint-args``: the model arguments are read from ``megatron_args.json``,
+  a committed JSON file in each checkpoint (never unpickled).
+* A Megatron-native checkpoint under ``--load`` (no ``shardpoint.json``) is loaded by
+  Megatron's own ``load_checkpoint``; the run then saves with shardpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from shardpoint.catalog.metadata import MARKER_NAME
+from shardpoint.checkpointer import Checkpointer
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.train_state import TrainState
+
+from .state import DistributedOptimizerState, MegatronModel, MegatronRng
+
+__all__ = ["ARGS_FILE", "HONOURED", "NOT_APPLICABLE", "Session"]
+
+log = logging.getLogger(__name__)
+
+ARGS_FILE = "megatron_args.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+HONOURED = [
+    "save",
+    "load",
+    "save_interval",
+    "no_save_optim",
+    "no_load_optim",
+    "no_save_rng",
+    "no_load_rng",
+    "finetune",
+    "pretrained_checkpoint",
+    "exit_on_missing_checkpoint",
+    "ckpt_step",
+    "async_save",
+    "non_persistent_save_interval",
+    "non_persistent_ckpt_type",
+    "save_retain_interval",
+    "use_checkpoint_args",
+    "dist_ckpt_strictness",
+]
+# accepted and logged once: shardpoint always writes in parallel and plans per save
+NOT_APPLICABLE = ("ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure")
+MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
+_LENIENT = ("log_unexpected", "log_all", "return_unexpected", "return_all", "ignore_all")
+
+
+def _args_json(args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron's args as JSON (values JSON cannot hold are written as their ``repr``)."""
+    return {k: v if _is_json(v) else repr(v) for k, v in sorted(vars(args).items())}
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _topology() -> Topology:
+    from megatron.core import parallel_state as ps
+
+    def group(getter: str) -> Any:
+        g = getattr(ps, getter)()
+        return g if g is not None and g.size() > 1 else None
+
+    return Topology.from_groups(
+        tp_group=group("get_tensor_model_parallel_group"),
+        pp_group=group("get_pipeline_model_parallel_group"),
+        dp_group=group("get_data_parallel_group"),
+        ep_group=group("get_expert_model_parallel_group"),
+        etp_group=group("get_expert_tensor_parallel_group"),
+        edp_group=group("get_expert_data_parallel_group"),
+    )
+
+
+def committed_dir(root: str | None) -> str | None:
+    """The directory the tracker under ``root`` points at (a local path), or None."""
+    if not root or not os.path.isfile(os.path.join(root, TRACKER)):
+        return None
+    with open(os.path.join(root, TRACKER)) as f:
+        tag = f.read().strip()
+    name = "release" if tag == "release" else f"iter_{int(tag):07d}" if tag.isdigit() else tag
+    return os.path.join(root, name)
+
+
+def is_shardpoint(root: str | None) -> bool:
+    """Whether the checkpoint the tracker under ``root`` names was written by shardpoint (local paths)."""
+    found = committed_dir(root)
+    return found is not None and os.path.isfile(os.path.join(found, MARKER_NAME))
+
+
+class Session:
+    """One job's Checkpointers (built on first use, collectively) and the replaced functions."""
+
+    def __init__(self, options: dict[str, Any], original: dict[str, Any] | None = None, get_args: Any = None):
+        """``get_args``: where Megatron's args come from (default ``megatron.training.get_args``);
+        a megatron-core loop without Megatron-LM's training code passes its own."""
+        self.options = dict(options)
+        self.original = original or {}  # Megatron's own functions, for native checkpoints
+        self.get_args = get_args or _megatron_args
+        self.checkpointers: dict[str, Checkpointer] = {}
+        self._logged = False
+
+    # --------------------------------------------------------------- plumbing
+    def _log_flags(self, args: argparse.Namespace) -> None:
+        if self._logged:
+            return
+        self._logged = True
+        ignored = [f"--{n.replace('_', '-')}" for n in NOT_APPLICABLE if getattr(args, n, False)]
+        if ignored:
+            log.warning("shardpoint: %s accepted and not used (shardpoint always saves in parallel)", " ".join(ignored))
+
+    def checkpointer(self, args: argparse.Namespace, path: str, **extra: Any) -> Checkpointer:
+        if path not in self.checkpointers:
+            options = {
+                "topology": _topology(),
+                "async_save": bool(getattr(args, "async_save", False)),
+                "config": {k: getattr(args, k) for k in MODEL_ARGS if _is_json(getattr(args, k, None))},
+                **self._retention(args, path),
+                **self.options,
+                **extra,
+            }
+            self.checkpointers[path] = Checkpointer(path, **options)
+        return self.checkpointers[path]
+
+    @staticmethod
+    def _retention(args: argparse.Namespace, path: str) -> dict[str, Any]:
+        retain = getattr(args, "save_retain_interval", None)
+        if retain and path == args.save:
+            return {"keep_last": 1, "keep_every": int(retain)}
+        return {}
+
+    def _local_options(self, args: argparse.Namespace) -> dict[str, Any]:
+        interval = getattr(args, "non_persistent_save_interval", None)
+        if interval and getattr(args, "non_persistent_ckpt_type", None) == "local":
+            local = getattr(args, "non_persistent_local_ckpt_dir", None)
+            if not local:
+                from shardpoint.errors import CheckpointError
+
+                raise CheckpointError(
+                    "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir (a node-local path)"
+                )
+            return {"local_dir": local, "local_interval": int(interval)}
+        return {}
+
+    def main(self, args: argparse.Namespace) -> Checkpointer:
+        """The Checkpointer of ``--save`` (with the local tier when asked)."""
+        return self.checkpointer(args, args.save, **self._local_options(args))
+
+    @staticmethod
+    def state(model: Any, optimizer: Any, scheduler: Any, args: argparse.Namespace, saving: bool) -> TrainState:
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        with_optim = not (args.no_save_optim if saving else False)
+        stateful = {} if saving and getattr(args, "no_save_rng", False) else {"megatron_rng": MegatronRng()}
+        return TrainState(
+            model=MegatronModel(list(chunks)),
+            optimizer=DistributedOptimizerState(optimizer) if with_optim and optimizer is not None else None,
+            scheduler=scheduler if with_optim else None,
+            stateful=stateful,
+        )
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(
+        self,
+        iteration: int,
+        model: Any,
+        optimizer: Any,
+        opt_param_scheduler: Any,
+        num_floating_point_operations_so_far: float,
+        checkpointing_context: Any = None,
+        pipeline_rank: Any = None,
+        expert_rank: Any = None,
+        tensor_rank: Any = None,
+        pipeline_parallel: Any = None,
+        expert_parallel: Any = None,
+        non_persistent_ckpt: bool = False,
+        train_data_iterator: Any = None,
+        preprocess_common_state_dict_fn: Any = None,
+        release: bool = False,
+        tp_group: Any = None,
+        pp_group: Any = None,
+        dp_cp_group: Any = None,
+    ) -> None:
+        """Megatron's ``save_checkpoint``, written by shardpoint (same signature, returns None)."""
+        args = self.get_args()
+        self._log_flags(args)
+        state = self.state(model, optimizer, opt_param_scheduler, args, saving=True)
+        state.extra.update(_progress(args, num_floating_point_operations_so_far))
+        files = {ARGS_FILE: json.dumps(_args_json(args), indent=1).encode()}
+        ckpt = self.main(args)
+        if non_persistent_ckpt and ckpt.local_tier is not None:
+            ckpt.local_tier.save(iteration, state)
+            return
+        if non_persistent_ckpt:
+            root = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
+            ckpt = self.checkpointer(args, root, keep_last=1)
+        if release:
+            ckpt.save_release(state)
+            return
+        ckpt.save(iteration, state, files=files)
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(
+        self,
+        ddp_model: Any,
+        optimizer: Any,
+        opt_param_scheduler: Any,
+        load_arg: str = "load",
+        strict: bool = True,
+        checkpointing_context: Any = None,
+        skip_load_to_model_and_opt: bool = False,
+        tp_group: Any = None,
+        pp_group: Any = None,
+        dp_cp_group: Any = None,
+    ) -> tuple[int, float]:
+        """Megatron's ``load_checkpoint``: returns ``(iteration, num_floating_point_operations_so_far)``."""
+        args = self.get_args()
+        self._log_flags(args)
+        load_dir = getattr(args, load_arg, None)
+        pretrained = getattr(args, "pretrained_checkpoint", None)
+        if pretrained and not _has_checkpoint(load_dir):
+            load_dir, args.finetune = pretrained, True
+        if load_dir and committed_dir(load_dir) and not is_shardpoint(load_dir):
+            log.warning("shardpoint: %s holds a Megatron-native checkpoint: loaded by Megatron itself", load_dir)
+            return self.original["load_checkpoint"](
+                ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
+                checkpointing_context=checkpointing_context,
+            )  # fmt: skip
+        result = None
+        if load_dir:
+            ckpt = self.main(args) if load_dir == args.save else self.checkpointer(args, load_dir)
+            result = ckpt.load(
+                self.state(ddp_model, optimizer, opt_param_scheduler, args, saving=False),
+                iteration=getattr(args, "ckpt_step", None),
+                finetune=bool(args.finetune),
+                load_optimizer=not args.no_load_optim,
+                load_rng=not args.no_load_rng,
+                strict=getattr(args, "dist_ckpt_strictness", "raise_all") not in _LENIENT,
+            )
+        if result is None:
+            if getattr(args, "exit_on_missing_checkpoint", False):
+                log.error("shardpoint: --exit-on-missing-checkpoint and no checkpoint in %s: exiting", load_dir)
+                sys.exit()
+            return 0, 0
+        return self._after_load(args, result)
+
+    @staticmethod
+    def _after_load(args: argparse.Namespace, result: Any) -> tuple[int, float]:
+        extra = result.extra or {}
+        checkpointing = _training_module("checkpointing")
+        if not (args.finetune or result.release or result.finetune):
+            args.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
+            args.skipped_train_samples = int(extra.get("skipped_train_samples", 0))
+            args.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
+            if checkpointing is not None:  # Megatron-LM's loop: its microbatch calculator follows the samples
+                from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+                update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
+        if checkpointing is not None:
+            checkpointing.set_checkpoint_version(3.0)
+            checkpointing.set_loaded_iteration(result.iteration)
+        flops = 0 if result.iteration == 0 else float(extra.get("flops", 0.0))
+        log.info("shardpoint: loaded %s at iteration %d", result.path, result.iteration)
+        return result.iteration, flops
+
+    # -------------------------------------------------------- async finalize
+    def maybe_finalize_async_save(self, blocking: bool = False, terminate: bool = False) -> None:
+        """Megatron's async finalize hook: commit what every rank has written; at the end, close."""
+        for ckpt in list(self.checkpointers.values()):
+            if terminate:
+                ckpt.close()
+            elif blocking:
+                ckpt.wait()
+            else:
+                ckpt.poll()
+        if terminate:
+            self.checkpointers.clear()
+        native = self.original.get("maybe_finalize_async_save")
+        if native is not None:
+            native(blocking=blocking, terminate=terminate)  # a native async save before ours (none usually)
+
+    # ---------------------------------------------------- --use-checkpoint-args
+    def load_args_from_checkpoint(self, args: argparse.Namespace, load_arg: str = "load", **kw: Any) -> Any:
+        """``--use-checkpoint-args`` from ``megatron_args.json`` (JSON, no unpickling, no collectives)."""
+        root = getattr(args, load_arg, None)
+        if not is_shardpoint(root):
+            return self.original["load_args_from_checkpoint"](args, load_arg=load_arg, **kw)
+        from megatron.training import checkpointing
+
+        found = committed_dir(root)
+        with open(os.path.join(found, ARGS_FILE)) as f:
+            saved = argparse.Namespace(**json.load(f))
+        with open(os.path.join(found, MARKER_NAME)) as f:
+            iteration = json.load(f).get("iteration") or 0
+        state = {"args": saved, "iteration": iteration, "checkpoint_version": 3.0}
+        original = checkpointing._load_base_checkpoint
+        checkpointing._load_base_checkpoint = lambda *a, **k: (state, found, False, None)
+        try:
+            return self.original["load_args_from_checkpoint"](args, load_arg=load_arg, **kw)
+        finally:
+            checkpointing._load_base_checkpoint = original
+
+
+def _megatron_args() -> argparse.Namespace:
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def _training_module(name: str) -> Any:
+    """``megatron.training.<name>`` when Megatron-LM's training code is importable, else None."""
+    try:
+        return importlib.import_module(f"megatron.training.{name}")
+    except ImportError:
+        return None
+
+
+def _has_checkpoint(root: str | None) -> bool:
+    return bool(root) and os.path.isfile(os.path.join(root, TRACKER))
+
+
+def _progress(args: argparse.Namespace, flops: float) -> dict[str, Any]:
+    return {
+        "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+        "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
+        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
+        "flops": float(flops or 0.0),
+    }
