@@ -89,13 +89,19 @@ def _step(state: Any) -> None:
     state.optimizer.step()
 
 
-def _build_run(sp: Any, root: Path, fmt: str) -> None:
+def _build_run(sp: Any, root: Path, fmt: str, **options: Any) -> None:
     state = _state(sp)
-    ckpt = sp.Checkpointer(str(root), format=fmt, config={"hidden_size": 8})
+    ckpt = sp.Checkpointer(str(root), format=fmt, config={"hidden_size": 8}, **options)
     for it in (1, 2):
         _step(state)
-        ckpt.save(it, state, validation_logits=torch.full((2, 3), float(it)))
+        if "local_dir" in options:
+            ckpt.maybe_save(it, state)  # the local tier's every step
+        else:
+            ckpt.save(it, state, validation_logits=torch.full((2, 3), float(it)))
     ckpt.close()
+
+
+LOCAL_TIER = dict(local_interval=1, local_replicas=0, save_interval=100)
 
 
 def _cli(*argv: str) -> None:
@@ -108,10 +114,13 @@ def _cli(*argv: str) -> None:
         raise AssertionError(f"shardpoint {' '.join(argv)} exited {code}")
 
 
-def _load(sp: Any, **kwargs: Any) -> Callable[[Path, Path], Any]:
+def _load(sp: Any, options: dict[str, Any] | None = None, **kwargs: Any) -> Callable[[Path, Path], Any]:
     def run(root: Path, out: Path) -> Any:
         state = _state(sp)
-        result = sp.Checkpointer(str(root / "run"), config={"hidden_size": 8}).load(state, **kwargs)
+        extra = dict(options or {})
+        if "local_interval" in extra:
+            extra["local_dir"] = str(root / "local")
+        result = sp.Checkpointer(str(root / "run"), config={"hidden_size": 8}, **extra).load(state, **kwargs)
         if result is not None:
             result.read_validation_logits()
         return result
@@ -119,11 +128,13 @@ def _load(sp: Any, **kwargs: Any) -> Callable[[Path, Path], Any]:
     return run
 
 
-def _shardpoint_readers(sp: Any, fmt: str) -> list[tuple[str, Callable[[Path, Path], Any]]]:
+def _shardpoint_readers(
+    sp: Any, fmt: str, options: dict[str, Any] | None = None
+) -> list[tuple[str, Callable[[Path, Path], Any]]]:
     return [
-        ("load", _load(sp)),
-        ("load-fallback", _load(sp, fallback=True)),
-        ("load-iteration-1", _load(sp, iteration=1)),
+        ("load", _load(sp, options)),
+        ("load-fallback", _load(sp, options, fallback=True)),
+        ("load-iteration-1", _load(sp, options, iteration=1)),
         ("verify", lambda root, out: _cli("verify", str(root / "run"), "--all")),
         ("inspect", lambda root, out: _cli("inspect", str(root / "run"), "--tensors")),
         ("export", lambda root, out: _cli("export", str(root / "run"), "--to", "safetensors", str(out / "w"))),
@@ -155,6 +166,13 @@ def build_sources(base: Path) -> list[Source]:
     ]
     _build_run(sp, sources[0].root / "run", "dist")
     _build_run(sp, sources[1].root / "run", "torch")
+    for layout in ("hf", "accelerate", "torchtitan", "neox"):  # the folders the framework integrations write
+        source = Source(f"layout-{layout}", base / f"layout-{layout}", _shardpoint_readers(sp, "dist"))
+        _build_run(sp, source.root / "run", "dist", layout=layout)
+        sources.append(source)
+    tier = Source("local-tier", base / "local-tier", _shardpoint_readers(sp, "dist", LOCAL_TIER)[:3])
+    _build_run(sp, tier.root / "run", "dist", local_dir=str(tier.root / "local"), **LOCAL_TIER)
+    sources.append(tier)
     hf = Source("safetensors", base / "safetensors", _hf_readers(sp))
     model = Frozen()
     sp.save_hf_weights(model, str(hf.root / "run"), max_shard_size=200)  # shards and their index
@@ -473,7 +491,7 @@ def _plant_canaries(case: Path, source: Source) -> None:
     """Copies of the source's data files where a crafted path would reach them."""
     biggest = max((case / f for f in source.files if (case / f).exists()), key=lambda p: p.stat().st_size)
     for where in (case.parent, case, case / "run"):
-        (where / CANARY).mkdir(exist_ok=True)
+        (where / CANARY).mkdir(parents=True, exist_ok=True)
         for name in ("__0_0.distcp", "model.safetensors", biggest.name):
             shutil.copyfile(biggest, where / CANARY / name)
 
