@@ -32,8 +32,9 @@ MARKER_NAME = "shardpoint.json"
 #: in a retired checkpoint kept for the files others refer to (see :mod:`shardpoint.lifecycle.references`)
 HELD_NOTE = ".shardpoint-referenced"
 FORMAT_VERSION = 1
-# "torchtitan": torchtitan's own DCP state dict (shardpoint.integrations.torchtitan writes and reads it)
-FORMATS = ("dist", "torch", "torchtitan")
+# "torchtitan": torchtitan's own DCP state dict (shardpoint.integrations.torchtitan writes and reads it);
+# "deepspeed": DeepSpeed's own files, committed by shardpoint.integrations.deepspeed (engine mode)
+FORMATS = ("dist", "torch", "torchtitan", "deepspeed")
 
 
 @dataclass(frozen=True)

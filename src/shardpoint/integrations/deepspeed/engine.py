@@ -1,0 +1,197 @@
+"""``ShardpointCheckpointEngine``: DeepSpeed's own checkpoint files, committed crash-safe and read back checked.
+
+DeepSpeed has no config key for a third-party checkpoint engine, but the engine keeps
+it in one attribute, ``engine.checkpoint_engine``, that every save and load goes
+through (the model states, each ZeRO rank's optimizer states, a pipeline's layer
+files). :func:`use` sets that attribute on an initialised engine::
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(...)
+    shardpoint.integrations.deepspeed.use(engine)
+    engine.save_checkpoint(save_dir, tag=f"global_step{step}", client_state=state)   # unchanged
+    engine.load_checkpoint(save_dir)                                                    # unchanged
+
+The files are byte for byte those of DeepSpeed's ``TorchCheckpointEngine`` (the same
+``torch.save`` call), so DeepSpeed's loader, ``zero_to_fp32``, ``ds_to_universal`` and
+GPT-NeoX read them. What changes (:mod:`~shardpoint.integrations.deepspeed.files`):
+the tag is written in a hidden staging directory and renamed into place by a
+collective commit that first writes ``shardpoint.json`` (every file's size and
+checksum), and ``latest`` is replaced atomically after the rename. A load checks each
+file against the marker and unpickles it without running code.
+
+Why :func:`use` also wraps the engine's ``save_checkpoint`` (that one instance only):
+after ``commit`` DeepSpeed's rank 0 rewrites ``latest`` with a plain ``open(.., "w")``,
+which a kill at that moment leaves empty. The wrapper passes ``save_latest=False`` to
+DeepSpeed and has the commit replace ``latest`` atomically itself.
+
+Limits: local (or POSIX-mounted) save directories; DeepSpeed's NVMe-offload copies,
+which DeepSpeed writes with ``shutil.copytree`` beside the engine, are not covered.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import deepspeed.comm as ds_dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from shardpoint.errors import CheckpointError
+from shardpoint.integrations.deepspeed.files import StagedTag, check_tag, read_checked, tag_iteration
+
+__all__ = ["EngineOptions", "ShardpointCheckpointEngine", "use"]
+
+log = logging.getLogger(__name__)
+_WRAPPED = "_shardpoint_original_save_checkpoint"
+_WRAPPED_LOAD = "_shardpoint_original_load_checkpoint"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """What :func:`use` takes besides the engine.
+
+    Attributes:
+        config: the model's defining args, recorded in ``shardpoint.json`` (as
+            ``Checkpointer(config=...)`` records them; GPT-NeoX's ``check_checkpoint_args``).
+        unverified_ok: read a tag that has no ``shardpoint.json`` (one DeepSpeed's own
+            engine wrote, from before the switch) without checksums; still no code is run.
+    """
+
+    config: dict[str, Any] = field(default_factory=dict)
+    unverified_ok: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, dict):
+            raise ValueError(f"config must be a dict of the model's defining args, not {type(self.config).__name__}")
+
+
+class ShardpointCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed ``CheckpointEngine`` writing DeepSpeed's files through shardpoint's commit.
+
+    DeepSpeed calls, on every rank: ``create`` (collective here: rank 0 makes the
+    staging directory), ``makedirs`` / ``save`` for the files this rank writes, then
+    ``commit`` (collective: the marker, the rename, ``latest``). ``load`` is called per
+    file by DeepSpeed's ``load_checkpoint``.
+    """
+
+    def __init__(self, config_params: Any = None, options: EngineOptions | None = None):
+        super().__init__(config_params)
+        self.name = "ShardpointCheckpointEngine"
+        self.options = options or EngineOptions()
+        # the same setting DeepSpeed's TorchCheckpointEngine reads, so the bytes are the same
+        self.zipfile_serialization = True
+        if config_params is not None:
+            self.zipfile_serialization = bool(config_params.checkpoint_config.get("checkpoint_serialization", True))
+        self._engine: Any = None
+        self._save_latest: bool | None = None  # set by use()'s wrapper for the save in progress
+        self._staged: StagedTag | None = None
+
+    def bind(self, engine: Any) -> None:
+        """Remember the engine (weakly) for the step count and world sizes recorded in the marker."""
+        self._engine = weakref.ref(engine)
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self._staged = StagedTag(str(info.save_dir), str(info.tag))
+        self._staged.begin()
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        staged = self._staged
+        if staged is not None and _inside(staged, path):
+            staged.makedirs(path)
+        else:
+            super().makedirs(path, exist_ok=exist_ok)  # the save directory itself, before create()
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._staged is None:
+            raise CheckpointError(f"DeepSpeed saved {path} before create(); call engine.save_checkpoint()")
+        self._staged.write(state_dict, path, self.zipfile_serialization)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return read_checked(path, map_location, unverified_ok=self.options.unverified_ok)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise CheckpointError(f"commit of tag {info.tag!r} without a save in progress")
+        save_latest = info.save_latest if self._save_latest is None else self._save_latest
+        staged.commit(self._iteration(staged.tag), save_latest, dict(self.options.config), self._topology())
+        return True
+
+    def _iteration(self, tag: str) -> int:
+        engine = self._engine() if self._engine is not None else None
+        return tag_iteration(tag, int(getattr(engine, "global_steps", 0) or 0))
+
+    def _topology(self) -> dict[str, int]:
+        engine = self._engine() if self._engine is not None else None
+        world = ds_dist.get_world_size() if ds_dist.is_initialized() else 1
+        topology = {"world": world, "dp": world, "tp": 1, "pp": 1}
+        if engine is not None:
+            topology["dp"] = int(getattr(engine, "dp_world_size", world))
+            topology["tp"] = int(getattr(engine, "mp_world_size", 1))
+            topology["pp"] = int(getattr(engine, "num_stages", 1))
+            topology["zero_stage"] = int(engine.zero_optimization_stage())
+        return topology
+
+
+def _inside(staged: StagedTag, path: str) -> bool:
+    try:
+        staged.name_of(path, allow_self=True)
+    except CheckpointError:
+        return False
+    return True
+
+
+def use(engine: Any, **options: Any) -> ShardpointCheckpointEngine:
+    """Make ``engine`` (from ``deepspeed.initialize``) save and load through shardpoint; returns the checkpoint engine.
+
+    Call it on every rank, after ``deepspeed.initialize`` and before the first
+    ``save_checkpoint`` / ``load_checkpoint``. ``options`` are :class:`EngineOptions`.
+
+    Example::
+
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        use(engine, config={"num_layers": 24, "hidden_size": 2048})
+        engine.load_checkpoint(args.save)              # DeepSpeed's own call, files checked
+    """
+    checkpoint_engine = ShardpointCheckpointEngine(getattr(engine, "_config", None), EngineOptions(**options))
+    checkpoint_engine.bind(engine)
+    engine.checkpoint_engine = checkpoint_engine
+    original = getattr(engine, _WRAPPED, None) or engine.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True, **kw: Any):
+        current = engine.checkpoint_engine
+        if not isinstance(current, ShardpointCheckpointEngine):
+            return original(save_dir, tag, {} if client_state is None else client_state, save_latest, **kw)
+        current._save_latest = save_latest  # the commit replaces `latest` atomically; DeepSpeed must not rewrite it
+        try:
+            return original(save_dir, tag, {} if client_state is None else client_state, False, **kw)
+        finally:
+            current._save_latest = None
+
+    engine.save_checkpoint = save_checkpoint
+    setattr(engine, _WRAPPED, original)
+    _wrap_load(engine)
+    return checkpoint_engine
+
+
+def _wrap_load(engine: Any) -> None:
+    """Check the tag on every rank before DeepSpeed reads it, so a damaged file stops every rank, not one.
+
+    DeepSpeed's ranks each read their own files and then enter collectives: a rank that
+    raised on its file would leave the others waiting. The check splits the tag's files
+    over the ranks and agrees on the outcome (:func:`~shardpoint.integrations.deepspeed.files.check_tag`).
+    """
+    original = getattr(engine, _WRAPPED_LOAD, None) or engine.load_checkpoint
+
+    @functools.wraps(original)
+    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kw: Any):
+        current = engine.checkpoint_engine
+        if isinstance(current, ShardpointCheckpointEngine):
+            check_tag(str(load_dir), tag, current.options.unverified_ok)
+        return original(load_dir, tag, *args, **kw)
+
+    engine.load_checkpoint = load_checkpoint
+    setattr(engine, _WRAPPED_LOAD, original)

@@ -1,0 +1,127 @@
+"""Rank functions for tests/test_integration_deepspeed.py: a small model under a real DeepSpeed engine on CPU (gloo)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def _deepspeed() -> Any:
+    os.environ.update(ENV)
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))  # one node: what torchrun would set
+    import deepspeed
+    import deepspeed.ops
+
+    # DeepSpeed's CPU accelerator compiles a shared-memory allreduce with ninja at its first
+    # initialize (minutes); gloo carries every collective without it, so it is not built here.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # initialize() imports the Muon optimizer to list it as ZeRO-supported; its import wraps
+    # functions in torch.compile (about 10 s of inductor imports per rank). These tests use
+    # Adam, so Muon's module is imported once here with its functions left uncompiled.
+    from deepspeed.runtime import compiler
+
+    compile_, compiler.compile = compiler.compile, lambda: compiler.dummy_decorator
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer
+    finally:
+        compiler.compile = compile_
+    return deepspeed
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+
+
+def engine(stage: int, seed: int = 0, lr: float = 1e-2) -> Any:
+    deepspeed = _deepspeed()
+    net = model(seed)
+    optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    built, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
+    return built
+
+
+def train(eng: Any, steps: int, start: int = 0) -> list[float]:
+    """``steps`` steps on batches that depend only on the step and this rank's dp index."""
+    losses = []
+    rank = torch.distributed.get_rank()
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(2, 6, generator=gen)
+        loss = eng(x).pow(2).mean()
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def params(eng: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
+
+
+def tag_files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+# ------------------------------------------------------------------ engine mode
+
+
+def save_both_ways(rank: int, world: int, stock_dir: str, ours_dir: str, stage: int) -> dict[str, Any]:
+    """Train, save with DeepSpeed's own engine and then (same state) with shardpoint's; return the weights."""
+    from shardpoint.integrations.deepspeed import use
+
+    eng = engine(stage)
+    train(eng, 3)
+    eng.save_checkpoint(stock_dir, tag="global_step3", client_state={"iteration": 3})
+    use(eng)
+    eng.save_checkpoint(ours_dir, tag="global_step3", client_state={"iteration": 3})
+    return {"params": params(eng)}
+
+
+def load_stock(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
+    """DeepSpeed's own engine (no shardpoint) loads the directory; weights and client state back."""
+    eng = engine(stage, seed=1)
+    path, client = eng.load_checkpoint(directory)
+    return {"path": path, "iteration": client["iteration"], "params": params(eng), "losses": train(eng, 2, 3)}
+
+
+def load_ours(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
+    """The engine with shardpoint's checkpoint engine loads the directory (checked); a failure is returned."""
+    from shardpoint.errors import CheckpointError
+    from shardpoint.integrations.deepspeed import use
+
+    eng = engine(stage, seed=1)
+    use(eng)
+    try:
+        path, client = eng.load_checkpoint(directory)
+    except CheckpointError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"path": path, "iteration": client["iteration"], "params": params(eng), "losses": train(eng, 2, 3)}
+
+
+def save_then_killed(rank: int, world: int, directory: str, fault: str) -> dict[str, Any]:
+    """Commit global_step2, then start global_step4 with a fault that SIGKILLs a rank midway."""
+    from shardpoint.integrations.deepspeed import use
+
+    eng = engine(2)
+    use(eng)
+    train(eng, 2)
+    eng.save_checkpoint(directory, tag="global_step2", client_state={"iteration": 2})
+    saved = params(eng)
+    torch.save(saved, f"{directory}/expected_{rank}.pt")
+    train(eng, 2, 2)
+    os.environ["SHARDPOINT_FAULT"] = fault
+    eng.save_checkpoint(directory, tag="global_step4", client_state={"iteration": 4})
+    return {}

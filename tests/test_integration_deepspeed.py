@@ -1,0 +1,106 @@
+"""shardpoint.integrations.deepspeed with a real DeepSpeed engine on CPU (gloo, 2 ranks).
+
+Engine mode: the files equal DeepSpeed's own engine's byte for byte and DeepSpeed's own
+loader reads them; a kill at any moment of a save leaves ``latest`` naming a loadable tag;
+a flipped byte is named on load, on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed import launch
+from tests.integration_deepspeed_worker import ENV, load_ours, load_stock, save_both_ways, save_then_killed, tag_files
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra")
+
+TAG = "global_step3"
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """One training run saved twice at the same state: DeepSpeed's engine, then shardpoint's (ZeRO-2, 2 ranks)."""
+    root = tmp_path_factory.mktemp("ds")
+    stock, ours = root / "stock", root / "ours"
+    results = launch(save_both_ways, 2, str(stock), str(ours), 2, env=ENV, backend="gloo")
+    return stock, ours, results[0]["params"]
+
+
+def test_engine_mode_files_are_deepspeeds_own(both):
+    stock, ours, _ = both
+    theirs, mine = tag_files(stock / TAG), tag_files(ours / TAG)
+    assert set(mine) == set(theirs) | {"shardpoint.json"}
+    for name, data in theirs.items():
+        assert mine[name] == data, f"{name} differs from DeepSpeed's own engine's"
+    assert (ours / "latest").read_text() == TAG
+    marker = json.loads((ours / TAG / "shardpoint.json").read_text())
+    assert marker["format"] == "deepspeed" and marker["iteration"] == 3
+    assert set(marker["files"]) == set(theirs)
+    assert not [p.name for p in ours.iterdir() if p.name.startswith(".shardpoint-tmp")]
+
+
+def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both):
+    _, ours, saved = both
+    results = launch(load_stock, 2, str(ours), 2, env=ENV, backend="gloo")
+    for result in results:
+        assert result["iteration"] == 3
+        _same(result["params"], saved)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    _same({k: v.float() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(ours)).items()}, saved)
+
+
+def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, tmp_path):
+    stock, ours, saved = both
+    theirs = launch(load_stock, 2, str(stock), 2, env=ENV, backend="gloo")
+    mine = launch(load_ours, 2, str(ours), 2, env=ENV, backend="gloo")
+    for a, b in zip(theirs, mine):
+        _same(b["params"], saved)
+        assert a["losses"] == b["losses"]  # resumed training is the same as from DeepSpeed's own load
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for entry in ours.iterdir():
+        if entry.is_dir():
+            (damaged / entry.name).mkdir()
+            for f in entry.iterdir():
+                (damaged / entry.name / f.name).write_bytes(f.read_bytes())
+        else:
+            (damaged / entry.name).write_bytes(entry.read_bytes())
+    victim = damaged / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    for result in launch(load_ours, 2, str(damaged), 2, env=ENV, backend="gloo"):
+        assert "error" in result, "a flipped byte was loaded"
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in result["error"]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "point=mid-data,rank=1,action=kill",
+        "point=before-marker,rank=0,action=kill",
+        "point=before-tracker,rank=0,action=kill",
+    ],
+)
+def test_engine_mode_kill_during_save_leaves_latest_loadable(tmp_path, fault):
+    directory = tmp_path / "run"
+    directory.mkdir()
+    codes = launch(save_then_killed, 2, str(directory), fault, env=ENV, backend="gloo", expect_failure=True, timeout=90)
+    assert any(code != 0 for code in codes)
+    tag = (directory / "latest").read_text()
+    assert tag == "global_step2", f"latest names {tag!r} after a kill mid-save"
+    expected = torch.load(directory / "expected_0.pt")
+    for result in launch(load_ours, 2, str(directory), 2, env=ENV, backend="gloo"):
+        assert "error" not in result, result.get("error")
+        assert result["iteration"] == 2
+        _same(result["params"], expected)
