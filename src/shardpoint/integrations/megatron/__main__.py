@@ -21,12 +21,12 @@ def main(argv: list[str]) -> None:
         print(__doc__)
         raise SystemExit(0 if argv else 2)
     script = os.path.abspath(argv[0])
-    sys.path.insert(0, os.path.dirname(script))
     prelude = os.environ.get("SHARDPOINT_MEGATRON_PRELUDE")
-    if prelude:
+    if prelude:  # before the script's folder goes first on the path (Megatron-LM has a tests/ of its own)
         module = importlib.import_module(prelude)
         if hasattr(module, "install"):
             module.install()
+    sys.path.insert(0, os.path.dirname(script))
     install()
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")

@@ -93,7 +93,9 @@ class MegatronModel(torch.nn.Module):
                 kind = type(value).__name__
                 if kind == "ShardedTensorFactory":
                     self._add_factory(value, names, shards)
-                elif kind == "ShardedTensor":
+                elif kind == "ShardedTensor" and value.prepend_axis_num == 0:
+                    self._add(value, value.key, shards)  # Megatron's global key (a tied output layer: the embedding's)
+                elif kind == "ShardedTensor":  # a stacked layer's piece: its parameter's name, numbered globally
                     self._add(value, names.get(_storage(value.data), value.key), shards)
                 else:
                     skipped.append(getattr(value, "key", kind))
