@@ -125,3 +125,61 @@ def save_then_killed(rank: int, world: int, directory: str, fault: str) -> dict[
     os.environ["SHARDPOINT_FAULT"] = fault
     eng.save_checkpoint(directory, tag="global_step4", client_state={"iteration": 4})
     return {}
+
+
+# ------------------------------------------------------------------ reshardable mode
+
+
+def full_state(eng: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's whole fp32 master and Adam moments (collective: each rank holds a fragment)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    eng.optimizer._lazy_init_hp_params_optimizer_state()
+    out = {}
+    for name, param in eng.module.named_parameters():
+        out[f"{name}.fp32"] = safe_get_full_fp32_param(param).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).clone()
+    return out
+
+
+def reshard_save(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
+    """Train 3 steps at ``world`` ranks, save in the reshardable mode with a GPT-NeoX-shaped client_state."""
+    import random
+
+    import numpy as np
+
+    from shardpoint.integrations.deepspeed import save_checkpoint
+
+    eng = engine(stage)
+    train(eng, 3)
+    client = {
+        "iteration": 3,
+        "args": {"num_layers": 2, "hidden_size": 10, "num_attention_heads": 1},
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rank": rank,
+    }
+    assert save_checkpoint(eng, directory, tag="global_step3", client_state=client) is True
+    return {
+        "state": full_state(eng),
+        "params": params(eng),
+        "step": int(next(iter(eng.optimizer.optimizer.state.values()))["step"]),
+    }
+
+
+def reshard_load(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
+    """A fresh engine (other seed) at ``world`` ranks loads the reshardable checkpoint."""
+    from shardpoint.integrations.deepspeed import load_checkpoint
+
+    eng = engine(stage, seed=1)
+    path, client = load_checkpoint(eng, directory)
+    return {
+        "path": path,
+        "client": client,
+        "state": full_state(eng),
+        "params": params(eng),
+        "step": int(next(iter(eng.optimizer.optimizer.state.values()))["step"]),
+        "global_steps": eng.global_steps,
+    }

@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from tests.distributed import launch
-from tests.integration_deepspeed_worker import ENV, load_ours, load_stock, save_both_ways, save_then_killed, tag_files
+from tests.integration_deepspeed_worker import (
+    ENV,
+    load_ours,
+    load_stock,
+    reshard_load,
+    reshard_save,
+    save_both_ways,
+    save_then_killed,
+    tag_files,
+)
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra")
 
@@ -104,3 +113,28 @@ def test_engine_mode_kill_during_save_leaves_latest_loadable(tmp_path, fault):
         assert "error" not in result, result.get("error")
         assert result["iteration"] == 2
         _same(result["params"], expected)
+
+
+# ------------------------------------------------------------------ reshardable mode
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """Saved in the reshardable mode at dp=2 ZeRO-2 after 3 steps."""
+    directory = tmp_path_factory.mktemp("reshard") / "run"
+    saved = launch(reshard_save, 2, str(directory), 2, env=ENV, backend="gloo")
+    return directory, saved
+
+
+@pytest.mark.parametrize("world, stage", [(1, 2), (1, 1)])
+def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded, world, stage):
+    directory, saved = resharded
+    assert (directory / "latest").read_text() == "global_step3"
+    assert json.loads((directory / "global_step3" / "shardpoint.json").read_text())["format"] == "dist"
+    for result in launch(reshard_load, world, str(directory), stage, env=ENV, backend="gloo"):
+        _same(result["state"], saved[0]["state"])  # fp32 masters and both Adam moments, every element
+        _same(result["params"], saved[0]["params"])
+        assert result["step"] == saved[0]["step"] == 3
+        assert result["global_steps"] == 3
+        assert result["client"]["iteration"] == 3
+        assert result["client"]["args"]["hidden_size"] == 10

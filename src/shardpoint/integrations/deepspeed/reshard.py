@@ -1,0 +1,316 @@
+"""The reshardable mode: a DeepSpeed engine saved as shardpoint's ``dist`` format under global names.
+
+:func:`save_checkpoint` / :func:`load_checkpoint` take DeepSpeed's arguments and give its
+return values, but write what a :class:`~shardpoint.Checkpointer` writes, with the
+``neox`` layout (``<save_dir>/global_step<N>/`` and ``latest``):
+
+==================================  =====================================================
+DeepSpeed keeps                     stored as
+==================================  =====================================================
+the module's weights (ZeRO-1/2:     ``model.<name>``, whole tensors (replicas)
+whole on every rank)
+each ZeRO rank's slice of the fp32  ``optimizer.state.<name>.fp32``, ``.exp_avg``,
+master weights and Adam moments     ``.exp_avg_sq``: ``sp.Shard`` boxes of the parameter
+(a fragment of a flat partition)    flattened to 1-D, at the fragment's offset in it
+Adam's step, global steps/samples   ``TrainState.extra``
+the LR scheduler                    ``TrainState.scheduler``
+``client_state``                    per rank (``TrainState.stateful``), so every data-
+                                    parallel rank gets its own back (GPT-NeoX saves it
+                                    from data-parallel rank 0 only)
+RNG streams                         per rank, as every shardpoint checkpoint
+==================================  =====================================================
+
+The boxes are in each parameter's own coordinates, not in the padded flat space, whose
+padding and order depend on the data-parallel size: a load at another data-parallel
+size reads, for each parameter, exactly the fragment its new partition holds.
+
+Limits (each raises): ZeRO-3 (parameters partitioned: not yet), offloaded optimizer
+states, ``custom_load_fn``, tags that are not ``global_step<N>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardpoint.checkpointer import Checkpointer
+from shardpoint.errors import CheckpointError
+from shardpoint.integrations.deepspeed.files import tag_iteration
+from shardpoint.parallel import comm
+from shardpoint.parallel.topology import Topology
+from shardpoint.state.sharding import Shard
+from shardpoint.state.train_state import TrainState
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_TAG_PREFIX = "global_step"
+
+
+class _ModelView(torch.nn.Module):
+    """The engine's module as ``sharded_state_dict()``: its own names, its live tensors (loaded in place)."""
+
+    def __init__(self, engine: Any):
+        super().__init__()
+        self._ds = [engine]  # a list: not registered as a submodule (its parameters are not this view's)
+
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        module = self._ds[0].module
+        return dict(module.state_dict(keep_vars=False))
+
+
+class _ZeroView:
+    """A ZeRO-1/2 optimizer as ``sharded_state_dict()``: each parameter's fragment of this rank's partition.
+
+    ``param._hp_mapping`` (DeepSpeed's link from a model parameter to its slice of the
+    flat fp32 partition) gives the slice's offset in the flattened parameter and views of
+    the fp32 master and of each Adam moment there. Loading fills those views in place.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        self.param_groups = self.optimizer.param_groups
+
+    def link(self) -> None:
+        """Make sure Adam's moments exist and every parameter's mapping has views of them.
+
+        A fresh engine has none yet (torch's Adam creates them at its first step), and
+        DeepSpeed links the views once, lazily: linked before the first step they stay
+        empty. So: one step of the base optimizer with zero gradients and a zero learning
+        rate (as DCP's ``_init_optim_state`` does; the parameters do not move, the load
+        overwrites the moments and the step count), then link again.
+        """
+        base = self.optimizer.optimizer
+        flats = self.optimizer.single_partition_of_fp32_groups
+        if any(not base.state.get(flat) for flat in flats):
+            lrs = [group["lr"] for group in base.param_groups]
+            for flat in flats:
+                flat.grad = torch.zeros_like(flat)
+            for group in base.param_groups:
+                group["lr"] = 0.0
+            try:
+                base.step()
+            finally:
+                for group, lr in zip(base.param_groups, lrs):
+                    group["lr"] = lr
+                for flat in flats:
+                    flat.grad = None
+        self.optimizer._hp_optimizer_states_linked = False
+        self.optimizer._lazy_init_hp_params_optimizer_state()
+
+    def sharded_state_dict(self, model_shards: Mapping[str, Shard]) -> dict[str, Shard]:
+        self.link()
+        boxes: dict[str, Shard] = {}
+        for name, param in self.engine.module.named_parameters():
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is None:
+                continue  # frozen, or no fragment on this rank
+            address = mapping.lp_fragment_address
+            shape, offset = (param.numel(),), (int(address.start),)
+            boxes[f"{name}.fp32"] = Shard(mapping.get_hp_fragment(), shape, offset)
+            for key in _MOMENTS:
+                if key in mapping.get_optim_state_keys():
+                    boxes[f"{name}.{key}"] = Shard(mapping.get_hp_fragment(key), shape, offset)
+        return boxes
+
+    def load_sharded_state_dict(self, loaded: Mapping[str, Shard]) -> None:
+        """Nothing to copy: the views were filled in place."""
+
+    def step_count(self) -> int | None:
+        for state in self.optimizer.optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return None
+
+    def set_step_count(self, step: int) -> None:
+        for state in self.optimizer.optimizer.state.values():
+            if "step" in state:
+                value = state["step"]
+                state["step"] = torch.tensor(float(step), dtype=value.dtype) if torch.is_tensor(value) else step
+
+
+class _ClientState:
+    """``client_state`` of this rank, stored per rank (numpy arrays and argparse Namespaces as plain data)."""
+
+    def __init__(self, value: Mapping[str, Any] | None = None):
+        self.value = dict(value or {})
+
+    def state_dict(self) -> dict[str, Any]:
+        return _to_plain(self.value)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.value = _from_plain(dict(state))
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return {"__numpy__": torch.from_numpy(value.copy())}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, argparse.Namespace):
+        return {"__namespace__": _to_plain(vars(value))}
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_plain(v) for v in value)
+    return value
+
+
+def _from_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__numpy__"}:
+            return value["__numpy__"].numpy()
+        if set(value) == {"__namespace__"}:
+            return argparse.Namespace(**_from_plain(value["__namespace__"]))
+        return {k: _from_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_from_plain(v) for v in value)
+    return value
+
+
+def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``value`` that JSON holds as they are (numbers, strings, lists and dicts of them)."""
+    import json
+
+    plain = {}
+    for key, item in value.items():
+        try:
+            if json.loads(json.dumps(item)) == item:
+                plain[str(key)] = item
+        except (TypeError, ValueError):
+            continue
+    return plain
+
+
+def _check_supported(engine: Any) -> None:
+    stage = int(engine.zero_optimization_stage())
+    if stage not in (1, 2):
+        raise CheckpointError(
+            f"the reshardable DeepSpeed mode supports ZeRO stages 1 and 2 (this engine runs stage {stage}); "
+            "use engine mode (shardpoint.integrations.deepspeed.use(engine)) for this run"
+        )
+    if engine.zero_cpu_offload():
+        raise CheckpointError("the reshardable DeepSpeed mode does not support offloaded optimizer states yet")
+
+
+def _iteration(engine: Any, tag: Any) -> int:
+    if tag is None:
+        return int(engine.global_steps)
+    tag = str(tag)
+    if not tag.startswith(_TAG_PREFIX) or not tag[len(_TAG_PREFIX) :].isdigit():
+        raise CheckpointError(
+            f"tag {tag!r}: the reshardable mode names checkpoints global_step<N> (GPT-NeoX's and DeepSpeed's "
+            "default); pass tag=None or a tag of that form"
+        )
+    return tag_iteration(tag, int(engine.global_steps))
+
+
+def _checkpointer(engine: Any, directory: str, options: Mapping[str, Any]) -> Checkpointer:
+    world = comm.world_size() if comm.initialized() else 1
+    return Checkpointer(str(directory), topology=Topology(dp_size=world), layout="neox", format="dist", **options)
+
+
+def _train_state(engine: Any, client: _ClientState, optimizer: bool, scheduler: bool) -> TrainState:
+    return TrainState(
+        model=_ModelView(engine),
+        optimizer=_ZeroView(engine) if optimizer else None,
+        scheduler=engine.lr_scheduler if scheduler and optimizer else None,
+        stateful={"client_state": client},
+    )
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str,
+    tag: Any = None,
+    client_state: Mapping[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+    *,
+    checkpointer_options: Mapping[str, Any] | None = None,
+) -> bool:
+    """``engine.save_checkpoint(...)`` as a reshardable shardpoint checkpoint; every rank calls it. Returns True.
+
+    ``save_latest=False`` is not honoured (the tracker always moves to a committed save:
+    it is what makes a crash safe), nor ``exclude_frozen_parameters`` (frozen tensors are
+    stored once across checkpoints anyway); each logs a warning.
+    ``checkpointer_options`` go to :class:`~shardpoint.Checkpointer` (``keep_last``,
+    ``config``, ``upload_to``, ...).
+
+    Example::
+
+        save_checkpoint(engine, args.save, tag=f"global_step{step}", client_state={"iteration": step})
+    """
+    _check_supported(engine)
+    if not save_latest or exclude_frozen_parameters:
+        log.warning("save_latest=False and exclude_frozen_parameters are not applied by the reshardable mode")
+    iteration = _iteration(engine, tag)
+    view = _ZeroView(engine)
+    state = _train_state(engine, _ClientState(client_state), optimizer=True, scheduler=True)
+    state.extra.update(
+        global_steps=int(engine.global_steps),
+        global_samples=int(engine.global_samples),
+        skipped_steps=int(engine.skipped_steps),
+        optimizer_step=view.step_count(),
+        # what of client_state is plain data, for a load at another layout (where per-rank state is not restored)
+        client_state=_plain_json(client_state or {}),
+    )
+    with _checkpointer(engine, save_dir, checkpointer_options or {}) as ckpt:
+        ckpt.save(iteration, state)
+    return True
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str,
+    tag: Any = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    custom_load_fn: Any = None,
+    *,
+    checkpointer_options: Mapping[str, Any] | None = None,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """``engine.load_checkpoint(...)`` from a checkpoint :func:`save_checkpoint` wrote, at any data-parallel size.
+
+    Returns ``(load_path, client_state)`` as DeepSpeed does, ``(None, None)`` when there
+    is nothing to load. ``client_state`` is this rank's own (saved per rank).
+
+    Raises:
+        CheckpointError: ``custom_load_fn`` given, or an unsupported engine; any load failure, on every rank.
+    """
+    if custom_load_fn is not None:
+        raise CheckpointError("custom_load_fn is not supported by the reshardable mode: it loads DeepSpeed's files")
+    _check_supported(engine)
+    optimizer = load_optimizer_states and not load_module_only
+    client = _ClientState()
+    state = _train_state(engine, client, optimizer=optimizer, scheduler=load_lr_scheduler_states)
+    iteration = None if tag is None else _iteration(engine, tag)
+    with _checkpointer(engine, load_dir, checkpointer_options or {}) as ckpt:
+        rng = not load_module_only
+        strict = load_module_strict
+        result = ckpt.load(state, iteration=iteration, load_optimizer=optimizer, load_rng=rng, strict=strict)
+    if result is None:
+        return None, None
+    extra = result.extra or {}
+    if optimizer:
+        if extra.get("optimizer_step") is not None:
+            _ZeroView(engine).set_step_count(int(extra["optimizer_step"]))
+    else:
+        engine.optimizer.refresh_fp32_params()  # the fp32 masters follow the loaded weights
+    if not client.value and extra.get("client_state"):
+        client.value = dict(extra["client_state"])  # saved at another layout: rank 0's plain part, as DeepSpeed
+    if not load_module_only:
+        engine.global_steps = int(extra.get("global_steps", result.iteration))
+        engine.global_samples = int(extra.get("global_samples", engine.global_samples))
+        engine.skipped_steps = int(extra.get("skipped_steps", engine.skipped_steps))
+    return result.path, client.value
