@@ -57,10 +57,16 @@ def test_engine_mode_files_are_deepspeeds_own(both):
     assert not [p.name for p in ours.iterdir() if p.name.startswith(".shardpoint-tmp")]
 
 
-def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both):
+@pytest.fixture(scope="module")
+def stock_loaded(both):
+    """DeepSpeed's own engine (no shardpoint) loads shardpoint's files and trains two more steps."""
+    _, ours, _ = both
+    return launch(load_stock, 2, str(ours), 2, env=ENV, backend="gloo")
+
+
+def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both, stock_loaded):
     _, ours, saved = both
-    results = launch(load_stock, 2, str(ours), 2, env=ENV, backend="gloo")
-    for result in results:
+    for result in stock_loaded:
         assert result["iteration"] == 3
         _same(result["params"], saved)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -68,13 +74,12 @@ def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both):
     _same({k: v.float() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(ours)).items()}, saved)
 
 
-def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, tmp_path):
-    stock, ours, saved = both
-    theirs = launch(load_stock, 2, str(stock), 2, env=ENV, backend="gloo")
+def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, stock_loaded, tmp_path):
+    _, ours, saved = both
     mine = launch(load_ours, 2, str(ours), 2, env=ENV, backend="gloo")
-    for a, b in zip(theirs, mine):
+    for a, b in zip(stock_loaded, mine):
         _same(b["params"], saved)
-        assert a["losses"] == b["losses"]  # resumed training is the same as from DeepSpeed's own load
+        assert a["losses"] == b["losses"]  # training resumed as from DeepSpeed's own load
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     for entry in ours.iterdir():
@@ -95,10 +100,10 @@ def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, tmp_p
 
 @pytest.mark.parametrize(
     "fault",
-    [
+    [  # rank 1 killed after writing its file (DeepSpeed's own rank 0 would go on to write `latest`);
+        # rank 0 killed with every file written, before the marker
         "point=mid-data,rank=1,action=kill",
         "point=before-marker,rank=0,action=kill",
-        "point=before-tracker,rank=0,action=kill",
     ],
 )
 def test_engine_mode_kill_during_save_leaves_latest_loadable(tmp_path, fault):
@@ -138,3 +143,20 @@ def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded
         assert result["global_steps"] == 3
         assert result["client"]["iteration"] == 3
         assert result["client"]["args"]["hidden_size"] == 10
+
+
+class _RunsCode:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo crafted checkpoint ran this",))
+
+
+def test_engine_mode_load_runs_no_code_from_a_crafted_file(tmp_path):
+    from shardpoint.errors import UnsafeCheckpointError
+    from shardpoint.integrations.deepspeed.unpickle import load_restricted
+
+    crafted = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "payload": _RunsCode()}, crafted)
+    with pytest.raises(UnsafeCheckpointError, match="system"):
+        load_restricted(str(crafted), str(crafted))
