@@ -182,11 +182,11 @@ def test_a_dead_upload_is_cleaned_and_a_foreign_prefix_is_not(s3_server, bucket,
     monkeypatch.setenv("SHARDPOINT_FAULT", "point=during-upload,rank=0,action=raise")
     ckpt.save(1, state)
     with pytest.raises(sp.StorageError):
-        ckpt.wait()  # the upload died after marking its prefix, before any data
+        ckpt.wait()  # the upload died after staging its prefix, before any data, and removed what it staged
     monkeypatch.delenv("SHARDPOINT_FAULT")
-    assert fs.exists(f"{base}/iter_0000001/.shardpoint-in-progress")
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base)) == ["global_step7"]
     ckpt.close()
-    sp.Checkpointer(tmp_path / "local2", upload_to=remote).close()  # a new job cleans what the dead upload left
+    sp.Checkpointer(tmp_path / "local2", upload_to=remote).close()  # a new job's clean-up: the foreign prefix stays
     assert not fs.exists(f"{base}/iter_0000001")
     assert fs.cat_file(f"{base}/global_step7/mp_rank_00_model_states.pt") == b"another tool's checkpoint"
 

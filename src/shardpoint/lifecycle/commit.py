@@ -45,6 +45,7 @@ __all__ = [
     "detect_layout",
     "discard",
     "list_checkpoints",
+    "marker_digest",
     "publish",
     "read_marker",
     "read_tracker",
@@ -78,18 +79,20 @@ class CheckpointEntry:
         return self.meta is not None
 
 
-def begin(storage: Storage, root: str, final_name: str) -> str:
+def begin(storage: Storage, root: str, final_name: str, base: str | None = None) -> str:
     """Create and return the directory ranks write into (rank 0): always one of this save's own.
 
     On storage that can rename, a fresh temporary directory, renamed into place by
     :func:`publish`. On object storage, a fresh staging prefix beside the final one
     (:func:`_begin_staged`): the final prefix is left as it is, so a checkpoint of the
     same name stays loadable until this save commits, and a second job saving the same
-    iteration writes none of the same objects.
+    iteration writes none of the same objects. ``base``: the :func:`marker_digest` of the
+    final prefix when the save really began (an upload begins after its local save), so
+    that a checkpoint another job committed since then is not replaced; None: now.
     """
     storage.makedirs(root)
     if not storage.supports_rename:
-        return _begin_staged(storage, root, final_name)
+        return _begin_staged(storage, root, final_name, base)
     refuse_foreign(storage, storage.join(root, final_name))  # before any byte: another tool's data stays
     _refuse_referred(storage, root, final_name)
     tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(4)}")
@@ -307,7 +310,7 @@ def leftover_age() -> float:
 # few small copies for a re-save) is finished by the next saving job (_clean_staged).
 
 
-def _begin_staged(storage: Storage, root: str, final_name: str) -> str:
+def _begin_staged(storage: Storage, root: str, final_name: str, base: str | None = None) -> str:
     """Object storage: this save's staging prefix, with a note saying what it will replace."""
     final = storage.join(root, final_name)
     if storage.exists(final) and not _started_by_shardpoint(storage, final):
@@ -316,7 +319,7 @@ def _begin_staged(storage: Storage, root: str, final_name: str) -> str:
             "shardpoint never overwrites another tool's checkpoint: save under another prefix"
         )
     tmp = storage.join(root, f"{TMP_PREFIX}{final_name}-{secrets.token_hex(8)}")
-    note = {"save": final_name, "started": time.time(), "base": _marker_digest(storage, final)}
+    note = {"save": final_name, "started": time.time(), "base": marker_digest(storage, final) if base is None else base}
     storage.write_atomic(storage.join(tmp, IN_PROGRESS_NAME), json.dumps(note).encode())
     return tmp
 
@@ -344,7 +347,7 @@ def _claim(storage: Storage, tmp: str, final: str, base: str) -> str:
             own = False  # the other save has committed and removed it meanwhile
         if not own:
             raise _concurrent(final) from None
-    if _marker_digest(storage, final) != base:  # another save committed and removed its claim since
+    if marker_digest(storage, final) != base:  # another save committed and removed its claim since
         storage.remove(claim)
         raise _concurrent(final)
     return claim
@@ -410,7 +413,7 @@ def _read_note(storage: Storage, tmp: str) -> dict:
     return note
 
 
-def _marker_digest(storage: Storage, directory: str) -> str:
+def marker_digest(storage: Storage, directory: str) -> str:
     """A short digest of ``directory``'s marker (``none`` without one): the state a save replaces."""
     try:
         data = storage.read_bytes(storage.join(directory, MARKER_NAME))

@@ -376,6 +376,8 @@ class SavePipeline:
             commit.clean_leftovers(self.storage, self.root)
         self._cleaned = True
         _check_space(self.storage, self.root, name, needed)
+        if self.mirror is not None and comm.rank() == 0:
+            self.mirror.prepare(name)  # what the upload may replace: the remote checkpoint as this save begins
         return commit.begin(self.storage, self.root, name)
 
     def _write_files(self, pending: _PendingSave) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class _Upload:
     attempts: int = 0
     writer: BackgroundWrite | None = None
     staging: str | None = None  # this upload's own directory on the store, the same on every rank
+    base: str | None = None  # rank 0: the remote checkpoint's marker digest when the save began
 
 
 class RemoteMirror:
@@ -93,6 +94,7 @@ class RemoteMirror:
         self.local = LocalStorage("/")
         self.last_upload_seconds = 0.0
         self._pending: _Upload | None = None
+        self._prepared: tuple[str, str | None] | None = None  # rank 0: (name, base) of the save being written
         # a filesystem has no claims: one job writes it at a time, as with direct saves (rank 0 holds the lock)
         self._lock = DirectoryLock(self.root) if self.storage.supports_rename and comm.rank() == 0 else None
         if comm.rank() == 0:
@@ -118,6 +120,22 @@ class RemoteMirror:
         self._pending = _Upload(local_dir, name, files, iteration, marker, update_tracker)
         self._launch()
 
+    def prepare(self, name: str) -> None:
+        """Rank 0, as a save of ``name`` begins: note which remote checkpoint its upload may replace.
+
+        The upload begins only after the local save, so a checkpoint of the same name that
+        another job commits meanwhile would otherwise look like the one this save replaces:
+        two writers of one iteration would both commit. The upload commits only over the
+        checkpoint noted here (a create-only claim on it on object stores, a check under
+        the writer lock on a filesystem); a store it cannot read now is noted as unknown.
+        """
+        try:
+            base: str | None = commit.marker_digest(self.storage, self.storage.join(self.root, name))
+        except (OSError, CheckpointError) as exc:
+            log.warning("could not read %s/%s before saving it (%s); its upload checks it later", self.root, name, exc)
+            base = None
+        self._prepared = (name, base)
+
     def close(self) -> None:
         """Release the writer lock of a local ``upload_to`` directory (after the last :meth:`poll`)."""
         if self._lock is not None:
@@ -129,7 +147,7 @@ class RemoteMirror:
         upload.attempts += 1
         if upload.staging is None:
             try:
-                upload.staging = _from_root(lambda: self._begin(upload.name), f"preparing the upload of {upload.name}")
+                upload.staging = _from_root(lambda: self._begin(upload), f"preparing the upload of {upload.name}")
             except (ConcurrentSaveError, CheckpointTimeoutError):
                 self._pending = None
                 raise
@@ -138,8 +156,11 @@ class RemoteMirror:
                 return
         upload.writer = BackgroundWrite(lambda: self._copy_files(upload)).start()
 
-    def _begin(self, name: str) -> str:
+    def _begin(self, upload: _Upload) -> str:
         """Rank 0: this upload's staging directory (a local directory's writer lock first)."""
+        name = upload.name
+        if upload.base is None and self._prepared is not None and self._prepared[0] == name:
+            upload.base = self._prepared[1]
         if self._lock is not None and not self._lock.held:
             try:
                 self._lock.acquire()
@@ -149,7 +170,7 @@ class RemoteMirror:
                     "is committed"
                 ) from None
             commit.clean_leftovers(self.storage, self.root)  # nobody else writes here while the lock is held
-        return commit.begin(self.storage, self.root, name)
+        return commit.begin(self.storage, self.root, name, upload.base)
 
     def _copy_files(self, upload: _Upload) -> int:
         copied = 0
@@ -216,6 +237,8 @@ class RemoteMirror:
         final = self.storage.join(self.root, upload.name)
         meta = CheckpointMetadata.from_json(upload.marker, self.storage.join(final, MARKER_NAME))
         try:
+            if self._lock is not None and upload.base not in (None, commit.marker_digest(self.storage, final)):
+                raise _replaced(final)  # a filesystem has no claim; the lock keeps the check and rename together
             commit.publish(self.storage, upload.staging, final, meta)
         except BaseException:
             self._discard(upload.staging)  # this upload's own directory (kept when it won its claim)
@@ -263,6 +286,14 @@ def _from_root(step: Callable[[], T], what: str) -> T:
     if concurrent is not None:
         raise ConcurrentSaveError(concurrent)
     return result
+
+
+def _replaced(final: str) -> ConcurrentSaveError:
+    return ConcurrentSaveError(
+        f"{final} was committed by another job while this one was saving it; this upload committed nothing and "
+        "the remote tracker was not moved by it (the local checkpoint is committed). Two jobs are saving into the "
+        "same upload_to directory: give each its own"
+    )
 
 
 def _raising(error: BaseException) -> Callable[[], None]:
