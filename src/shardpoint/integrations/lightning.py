@@ -56,13 +56,13 @@ object. Values there that such a load could not read are refused when saving.
 **Differences from Lightning's own checkpointing, each with its reason:**
 
 * a checkpoint is a directory, not a ``.ckpt`` file: every rank writes its own shards;
-* ``LightningModule.load_state_dict`` is not called, and an ``on_load_checkpoint`` hook
-  that edits ``checkpoint["state_dict"]`` changes nothing: the weights are loaded in
-  place into the live (possibly sharded) tensors before Lightning's restore, as under
-  ``ModelParallelStrategy``, where Lightning does not call it either;
-* ``strict_loading=True`` raises :class:`~shardpoint.errors.MissingKeysError` (a
-  ``CheckpointError``) naming the keys, where Lightning's ``load_state_dict`` raises a
-  ``RuntimeError``; ``strict_loading=False`` loads what matches, as Lightning does;
+* the weights are loaded in place into the live (possibly sharded) tensors before
+  Lightning's restore; ``checkpoint["state_dict"]`` then holds those live tensors under
+  the saved keys (a saved key the model lacks as a ``meta`` tensor of its saved shape),
+  so Lightning's ``LightningModule.load_state_dict(..., strict=strict_loading)`` names
+  missing and unexpected keys as for its own files, and an ``on_load_checkpoint`` that
+  edits the dict applies (a renamed key the model lacks cannot be: it was not read).
+  Under ``ModelParallelStrategy``, as in Lightning's own, the load itself is strict or not;
 * ``ddp_spawn`` / ``ddp_notebook`` are refused: their launcher moves the trained weights
   back to the main process through the CheckpointIO on one rank, which a collective save
   cannot serve; ``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused (their own
@@ -105,7 +105,7 @@ from shardpoint.catalog.layout import named
 from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.checkpointer import Checkpointer
 from shardpoint.errors import CheckpointError, CheckpointNotFoundError
-from shardpoint.integrations.lightning_load import install_load_hook, load_checkpoint_dict
+from shardpoint.integrations.lightning_load import install_load_hook, load_checkpoint_dict, saved_state_dict
 from shardpoint.lifecycle import commit
 from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
@@ -223,16 +223,24 @@ class ShardpointCheckpointIO(CheckpointIO):
         if "://" not in path and not os.path.exists(path):
             raise _not_a_checkpoint(path)  # before a Checkpointer would create its directory
         module = strategy.lightning_module
-        fitting = module.trainer.state.fn == "fit"
+        if module is None:  # no model connected yet (the connector's resume_start): the whole dict, as Lightning's
+            self.stock_loaded = True  # Lightning applies it
+            return load_checkpoint_dict(path, map_location=map_location)
+        fitting = _fitting(strategy, running=False)
         state = self._train_state(strategy, with_optimizer=fitting)
-        ckpt = self._checkpointer(path)
-        result = ckpt.load(
-            state, load_optimizer=state.optimizer is not None, load_rng=fitting, strict=module.strict_loading
+        # ModelParallelStrategy decides strictness here, as Lightning's own does; the others leave it to
+        # module.load_state_dict(checkpoint["state_dict"], strict=...), which Lightning calls after on_load_checkpoint
+        parallel = isinstance(strategy, ModelParallelStrategy)
+        result = self._checkpointer(path).load(
+            state,
+            load_optimizer=state.optimizer is not None,
+            load_rng=fitting,
+            strict=module.strict_loading if parallel else False,
         )
         if result is None:
             raise _not_a_checkpoint(path)
         loaded = dict(result.extra)
-        loaded["state_dict"] = module.state_dict()
+        loaded["state_dict"] = module.state_dict() if parallel else saved_state_dict(module, result)
         if state.optimizer is not None:
             loaded["optimizer_states"] = [state.optimizer.state_dict()]
         return loaded
@@ -349,9 +357,11 @@ class _ShardpointStrategy:
         return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.checkpoint_io.stock_loaded:
-            _ORIGINAL[type(self)].load_model_state_dict(self, checkpoint, strict=strict)
-        # else: filled in place by load_checkpoint
+        # Lightning's own: module.load_state_dict(checkpoint["state_dict"], strict=strict). After a shardpoint
+        # load that dict holds the live, already filled tensors (copying one into itself costs nothing), so the
+        # call checks the keys with Lightning's strictness and applies on_load_checkpoint's edits;
+        # ModelParallelStrategy's does nothing (its load_checkpoint loaded in place)
+        _ORIGINAL[type(self)].load_model_state_dict(self, checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self.checkpoint_io.stock_loaded:
@@ -496,11 +506,17 @@ def _check_url(path: str) -> None:
         )
 
 
-def _fitting(strategy: Strategy) -> bool:
-    """Whether ``trainer.fit`` is running (its teardown closes the Checkpointers), not a save from outside it."""
+def _fitting(strategy: Strategy, running: bool = True) -> bool:
+    """Whether the trainer is in ``fit`` (and, with ``running``, inside it: its teardown closes the Checkpointers).
+
+    Read from the module's ``_trainer``, which is None until Lightning attaches the module
+    (``model.trainer`` would raise then, e.g. in the connector's ``resume_start`` before ``validate``).
+    """
     trainer = getattr(strategy.lightning_module, "_trainer", None)
     state = getattr(trainer, "state", None)
-    return state is not None and state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING
+    if state is None or state.fn != TrainerFn.FITTING:
+        return False
+    return state.status == TrainerStatus.RUNNING or not running
 
 
 def _not_a_checkpoint(path: str) -> CheckpointError:
@@ -508,8 +524,8 @@ def _not_a_checkpoint(path: str) -> CheckpointError:
     storage = open_storage(root)
     target = storage.join(storage.root, name)
     if not storage.exists(target):  # Lightning raises FileNotFoundError here, and users' code catches it
-        return CheckpointNotFoundError(
-            f"Checkpoint file not found: {target} (no shardpoint checkpoint nor file there); pass the path of an "
+        return CheckpointNotFoundError(  # the path as given, in Lightning's words (its tests and users match them)
+            f"Checkpoint file not found: {path} (no shardpoint checkpoint nor file at {target}); pass the path of an "
             "existing checkpoint as ckpt_path, or ckpt_path=None to start afresh"
         )
     if not storage.is_dir(target):

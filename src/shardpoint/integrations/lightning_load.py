@@ -21,10 +21,11 @@ from lightning.pytorch.core import saving
 from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.errors import CheckpointNotFoundError
 from shardpoint.integrations._hf_common import is_shardpoint_checkpoint
-from shardpoint.offline import read_full
+from shardpoint.lifecycle.load_pipeline import LoadResult
+from shardpoint.offline import describe_tensors, read_full
 from shardpoint.state.train_state import MODEL_PREFIX
 
-__all__ = ["install_load_hook", "load_checkpoint_dict"]
+__all__ = ["install_load_hook", "load_checkpoint_dict", "saved_state_dict"]
 
 
 def load_checkpoint_dict(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
@@ -61,6 +62,27 @@ def load_checkpoint_dict(path: str | os.PathLike[str], map_location: Any = None)
         if key.startswith(MODEL_PREFIX)
     }
     return {**full.common.get("extra", {}), "state_dict": weights}
+
+
+def saved_state_dict(module: torch.nn.Module, result: LoadResult) -> dict[str, Any]:
+    """``checkpoint["state_dict"]`` after an in-place load: the saved keys, for Lightning's strict check.
+
+    A key the checkpoint and the module share maps to the module's live tensor (filled by
+    the load); a saved key the module lacks maps to a ``meta`` tensor of its saved shape
+    and dtype (described from the checkpoint's index, not read); a module key the
+    checkpoint lacks is absent. ``module.load_state_dict(..., strict=True)`` then names
+    the missing and unexpected keys as it does for Lightning's own files.
+    """
+    live = module.state_dict()
+    saved = describe_tensors(result.path, result.metadata, storage=result.storage)
+    out: dict[str, Any] = {key: value for key, value in live.items() if not isinstance(value, torch.Tensor)}
+    for info in saved:
+        if not info.key.startswith(MODEL_PREFIX):
+            continue
+        key = info.key.removeprefix(MODEL_PREFIX)
+        dtype = getattr(torch, info.dtype)
+        out[key] = live[key] if key in live else torch.empty(info.shape, dtype=dtype, device="meta")
+    return out
 
 
 def install_load_hook() -> None:
