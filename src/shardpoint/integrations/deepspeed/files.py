@@ -237,41 +237,62 @@ def read_checked(path: str, map_location: Any = None, unverified_ok: bool = Fals
             f"{path} is not listed in {os.path.join(tag_dir, MARKER_NAME)}: it was not written by the save that "
             "committed this tag, so it is not read; remove it, or load another tag"
         )
+    full = os.path.abspath(path)
+    if _VERIFIED.get(full) == _stamp(full):  # checked by check_tag for this load, unchanged since
+        return load_restricted(path, path, map_location)
     data = _read_exact(path, record)
     return load_restricted(io.BytesIO(data), path, map_location)
+
+
+#: files check_tag found whole, by absolute path, with (size, mtime) when checked: read once, not hashed twice
+_VERIFIED: dict[str, tuple[int, int]] = {}
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
 
 
 def check_tag(load_dir: str, tag: str | None, unverified_ok: bool = False) -> None:
     """Every rank: the tag DeepSpeed is about to load (``latest`` when None) is whole; else every rank raises.
 
     Each rank checks the size and checksum of every ``world``-th file the marker lists
-    (one pass over the tag, shared), then the ranks agree. Nothing is checked when
+    (one pass over the tag, shared), then the ranks agree and remember every file found
+    whole with its size and mtime, so :func:`read_checked` then reads it once, from the
+    path, without hashing it again (a file changed since is hashed again). Nothing is checked when
     there is nothing to load (DeepSpeed then says so itself) or, with ``unverified_ok``,
     when the tag has no marker.
     """
     storage = LocalStorage(load_dir)
 
-    def check() -> None:
+    def check() -> dict[str, tuple[int, int] | None]:
         name = tag
         if name is None:
             latest = os.path.join(load_dir, LATEST)
             if not os.path.isfile(latest):
-                return
+                return {}
             with open(latest) as f:
                 name = f.read().strip()
         directory = os.path.join(load_dir, name)
         if not os.path.isdir(directory) or (unverified_ok and not os.path.exists(os.path.join(directory, MARKER_NAME))):
-            return
+            return {}
         meta = _marker_of(directory)
         mine = sorted(meta.files)[comm.rank() :: max(1, comm.world_size())]
+        stamps = {os.path.abspath(os.path.join(directory, n)): _stamp(os.path.join(directory, n)) for n in mine}
         problems = verify_files(storage, directory, meta, names=mine)
         if problems:
             raise CorruptCheckpointError(
                 f"{directory} is damaged: {'; '.join(map(str, problems))}. Load another tag (pass tag=...), "
                 "or restore the files from a copy"
             )
+        return stamps
 
-    comm.agree(check, f"checking the DeepSpeed checkpoint in {load_dir}")
+    _VERIFIED.clear()
+    for stamps in comm.agree_all(check, f"checking the DeepSpeed checkpoint in {load_dir}"):
+        _VERIFIED.update({path: stamp for path, stamp in stamps.items() if stamp is not None})
 
 
 def _read_exact(path: str, record: FileRecord) -> bytes:
