@@ -300,8 +300,6 @@ def test_what_lightning_decides_and_what_the_plugin_cannot_serve_are_refused(tmp
 
     with pytest.raises(ValueError, match="save_top_k"):
         ShardpointCheckpointIO(keep_last=3)
-    with pytest.raises(ValueError, match="ddp_spawn"):
-        lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", plugins=[ShardpointCheckpointIO()])
     with pytest.raises(ValueError, match="does not support FSDPStrategy"):  # Trainer() refuses it on CPU itself
         ShardpointCheckpointIO().connect(lightning.strategies.FSDPStrategy())
     foreign = tmp_path / "epoch=0-step=2.ckpt"

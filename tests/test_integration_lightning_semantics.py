@@ -16,6 +16,7 @@ import torch
 
 lightning = pytest.importorskip("lightning.pytorch")
 
+from shardpoint.integrations.lightning import ShardpointCheckpointIO, load_checkpoint_dict  # noqa: E402
 from tests.integration_lightning_worker import Tiny, data  # noqa: E402
 from tests.test_integration_lightning import assert_same, single_device_trainer  # noqa: E402
 
@@ -133,6 +134,62 @@ def _quiet() -> dict:
 
 
 def _plugged() -> dict:
-    from shardpoint.integrations.lightning import ShardpointCheckpointIO
-
     return {"plugins": [ShardpointCheckpointIO()], "logger": False, "enable_checkpointing": False}
+
+
+# ------------------------------------------------------------- ddp_spawn: 2 gloo ranks in spawned processes
+EPOCHS = 2
+
+
+class CountingIO(ShardpointCheckpointIO):
+    """Counts the checkpoint saves Lightning asks of the plugin (not the launcher's hand-back of the weights)."""
+
+    saves = 0
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if "pytorch-lightning_version" in checkpoint:
+            type(self).saves += 1
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class CountedCheckpoint(lightning.callbacks.ModelCheckpoint):
+    """Lightning's ModelCheckpointTestInvocations, counting per rank inside the spawned processes."""
+
+    state_dict_count = 0
+
+    def state_dict(self):
+        self.state_dict_count += 1
+        return super().state_dict()
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        assert self.best_model_path
+        assert self.state_dict_count == EPOCHS, self.state_dict_count
+        assert CountingIO.saves == EPOCHS, f"rank {trainer.global_rank}: {CountingIO.saves} saves"
+
+
+def test_ddp_spawn_trains_saves_once_per_checkpoint_and_hands_the_weights_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where the launcher's hand-back goes, in each process
+    (tmp_path / "tmp").mkdir()
+    model = Tiny()
+    trainer = lightning.Trainer(
+        strategy="ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=EPOCHS,
+        plugins=[CountingIO()],
+        callbacks=[CountedCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, train_dataloaders=data())
+    assert trainer.state.finished
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith("."))
+    assert saved == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+    assert trainer.checkpoint_callback.best_model_path.endswith("epoch=1-step=4.ckpt")
+    # the main process got the trained weights through the plugin, and the hand-back file is gone
+    assert_same(model.state_dict(), load_checkpoint_dict(tmp_path / "ckpt" / saved[-1])["state_dict"], "weights")
+    assert not [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]

@@ -132,6 +132,7 @@ _DECIDED = {
 }
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # what the plugin saves from the live objects instead
 _OPEN_CHECKPOINTERS = 2  # last.ckpt and the newest top-k name
+_HANDBACK_NAME = ".temp.ckpt"  # lightning.pytorch.strategies.launchers.multiprocessing names it so
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
 
 
@@ -186,6 +187,9 @@ class ShardpointCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError("ShardpointCheckpointIO.save_checkpoint(..., storage_options=...) is not supported")
+        if _is_handback(checkpoint):  # ddp_spawn's weights for the main process, on one rank: not a checkpoint
+            TorchCheckpointIO().save_checkpoint(checkpoint, path)
+            return
         strategy = self._connected()
         path = comm.broadcast(os.fspath(path))  # rank 0's path on every rank, as ModelParallelStrategy does
         # every rank checks its own dict, then all agree (one small all-gather): a dict refused on one
@@ -252,6 +256,9 @@ class ShardpointCheckpointIO(CheckpointIO):
         Only a committed shardpoint checkpoint is deleted, through the same rename-then-delete
         as shardpoint's retention; anything else at ``path`` is left alone with a warning.
         """
+        if _is_handback_file(os.fspath(path)):  # the main process is done with ddp_spawn's hand-back
+            TorchCheckpointIO().remove_checkpoint(path)
+            return
         root, name = _split(os.fspath(path))
         storage = open_storage(root)
         target = storage.join(storage.root, name)
@@ -378,6 +385,11 @@ class _ShardpointStrategy:
         self.checkpoint_io.teardown()  # ModelParallelStrategy.teardown does not call it
         _ORIGINAL[type(self)].teardown(self)
 
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # ddp_spawn pickles the Trainer into each process; the adapted class is made at run time, so
+        # pickle cannot find it by name: rebuild it from the strategy's own class there
+        return (_readapted, (_ORIGINAL[type(self)],), self.__getstate__())
+
 
 _ADAPTED: dict[type, type] = {}  # strategy class -> its adapted subclass
 _ORIGINAL: dict[type, type] = {}  # and back
@@ -386,10 +398,15 @@ _ORIGINAL: dict[type, type] = {}  # and back
 def _adapted(cls: type) -> type:
     """A direct subclass of ``cls`` with the methods of :class:`_ShardpointStrategy`, made once per class."""
     if cls not in _ADAPTED:
-        methods = {k: v for k, v in vars(_ShardpointStrategy).items() if not k.startswith("__")}
+        methods = {k: v for k, v in vars(_ShardpointStrategy).items() if not k.startswith("__") or k == "__reduce_ex__"}
         adapted = type(f"Shardpoint{cls.__name__}", (cls,), {**methods, "__module__": __name__})
         _ADAPTED[cls], _ORIGINAL[adapted] = adapted, cls
     return _ADAPTED[cls]
+
+
+def _readapted(cls: type) -> Any:
+    """An adapted ``cls`` strategy to unpickle into (its state follows, through ``__setstate__``)."""
+    return object.__new__(_adapted(cls))
 
 
 def _hook_attach() -> None:
@@ -420,12 +437,23 @@ def _check_strategy(strategy: Strategy) -> None:
             f"ShardpointCheckpointIO does not support {type(strategy).__name__}: use strategy='ddp', "
             "ModelParallelStrategy (FSDP2 through fully_shard in configure_model) or a single device"
         )
-    start = getattr(strategy, "_start_method", "popen")
-    if start != "popen":
-        raise ValueError(
-            f"ShardpointCheckpointIO does not support DDP started with {start!r} (ddp_spawn, ddp_notebook): "
-            "that launcher moves the weights back through the CheckpointIO on one rank; use strategy='ddp'"
-        )
+
+
+def _is_handback(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether ``checkpoint`` is the weights ``ddp_spawn``/``ddp_notebook``'s launcher sends to the main process.
+
+    Its ``_collect_rank_zero_results`` saves ``lightning_module.state_dict()`` through the
+    CheckpointIO on local rank 0 alone, into a fresh temporary directory, and the main
+    process loads and removes it: a hand-over between processes, not a checkpoint, so it
+    is written as Lightning's own file (no collective, which the other ranks would not
+    join). Every dict Lightning saves as a checkpoint carries its version; that one does not.
+    """
+    return "pytorch-lightning_version" not in checkpoint
+
+
+def _is_handback_file(path: str) -> bool:
+    """The file of :func:`_is_handback`'s hand-over (the launcher's ``<mkdtemp>/.temp.ckpt``)."""
+    return "://" not in path and os.path.basename(path) == _HANDBACK_NAME and os.path.isfile(path)
 
 
 def _saved_extra(checkpoint: Mapping[str, Any], path: str) -> dict[str, Any]:
