@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shardpoint.catalog.layout import LAYOUTS
 from shardpoint.errors import CorruptCheckpointError
 
 __all__ = [
@@ -173,6 +174,11 @@ def _validated_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         value = need(key, kind, optional=True)
         if value is not None:
             fields[key] = value
+    if fields.get("layout", "megatron") not in (*LAYOUTS, "named"):
+        raise CorruptCheckpointError(
+            f"{where}: layout {fields['layout']!r}"[:200] + f" is none of shardpoint's ({', '.join(LAYOUTS)}, named); "
+            "the marker is damaged or crafted"
+        )
     logits = fields.get("validation_logits")
     if logits is not None and (logits not in records or referred_dir(logits) is not None):
         raise CorruptCheckpointError(

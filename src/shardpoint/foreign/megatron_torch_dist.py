@@ -30,7 +30,6 @@ refused naming them; ``optimizer=False`` reads the weights of any of them.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from shardpoint.catalog.untrusted_json import check_member_name
+from shardpoint.catalog.untrusted_json import check_member_name, read_json_object
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint, args_to_json
 from shardpoint.foreign._unpickle import load_dcp_metadata_foreign, load_foreign
@@ -88,9 +87,8 @@ def is_torch_dist_dir(directory: str) -> bool:
     if not os.path.isfile(path):
         return False
     try:
-        with open(path) as f:
-            return json.load(f).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError):
+        return read_json_object(path, "Megatron metadata.json").get("sharded_backend") == "torch_dist"
+    except (OSError, CheckpointError):  # unreadable, too large, too deep, not an object: not a torch_dist dir
         return False
 
 

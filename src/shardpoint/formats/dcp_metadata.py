@@ -190,17 +190,25 @@ def _check_items_in_files(metadata: Metadata, size_of: Callable[[str], int], whe
 
 def _tensor_bytes(key: str, md: TensorStorageMetadata, where: str) -> tuple[int, int]:
     """The bytes of a tensor at full size, and of its chunks together (see :func:`check_stored_items`)."""
-    itemsize, ndim, count = md.properties.dtype.itemsize, len(md.size), len(md.chunks)
     try:
-        if not _counts(*md.size) or any(len(chunk.sizes) != ndim for chunk in md.chunks):
+        itemsize, ndim, count = md.properties.dtype.itemsize, len(md.size), len(md.chunks)
+        if not _counts(*md.size) or any(len(c.sizes) != ndim or len(c.offsets) != ndim for c in md.chunks):
             raise ValueError("not a count")
         rows = np.fromiter(itertools.chain.from_iterable(c.sizes for c in md.chunks), np.int64, count * ndim)
+        starts = np.fromiter(itertools.chain.from_iterable(c.offsets for c in md.chunks), np.int64, count * ndim)
     except (TypeError, ValueError, OverflowError, AttributeError):
         raise CorruptCheckpointError(
-            f"{where}: {DCP_METADATA} gives {key!r} or one of its chunks a size that is not a count; it is damaged"
+            f"{where}: {DCP_METADATA} gives {key!r} or one of its chunks a size or an offset that is not a count "
+            "(or not one per dimension); it is damaged"
         ) from None
-    if rows.size and rows.min() < 0:
+    if rows.size and (rows.min() < 0 or starts.min() < 0):
         raise CorruptCheckpointError(f"{where}: {DCP_METADATA} gives a chunk of {key!r} a negative size; it is damaged")
+    # every chunk inside the tensor (in float: a crafted offset near 2**63 must not wrap around)
+    ends = starts.reshape(count, ndim).astype(np.float64) + rows.reshape(count, ndim)
+    if count and ndim and (ends > np.asarray(md.size, dtype=np.float64)).any():
+        raise CorruptCheckpointError(
+            f"{where}: {DCP_METADATA} places a chunk of {key!r} outside its size {tuple(md.size)}; it is damaged"
+        )
     chunk_elements = rows.reshape(count, ndim).prod(axis=1, dtype=np.float64).sum()  # a bound: floats cannot overflow
     return math.prod(md.size) * itemsize, int(min(chunk_elements * itemsize, 2.0**80))
 
