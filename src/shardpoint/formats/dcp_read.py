@@ -37,6 +37,7 @@ from shardpoint.formats.dcp_metadata import DCP_METADATA
 from shardpoint.formats.shares import balanced, useful_threads
 from shardpoint.formats.tensor_archive import known_data_offset, known_ends
 from shardpoint.parallel import devices
+from shardpoint.storage.safe_io import safe_torch_load
 
 __all__ = ["ReadBuffers", "StreamingReads", "tensor_record"]
 
@@ -250,7 +251,7 @@ class StreamingReads:
         info = self._info(item)
         if info.transform_descriptors:
             stream = self.transforms.transform_load_stream(item, info.transform_descriptors, io.BytesIO(view))  # type: ignore[attr-defined]
-            return torch.load(io.BytesIO(stream.read()), map_location="cpu", weights_only=True)
+            return safe_torch_load(io.BytesIO(stream.read()), name=self._item_name(item, info))
         if self.contiguous_items:
             shape, dtype = self._chunk(item.storage_index)
             size = shape.numel() * dtype.itemsize
@@ -259,7 +260,12 @@ class StreamingReads:
             if found is not None and found[1] == size and size > 0:
                 raw = torch.frombuffer(view, dtype=torch.uint8, count=size, offset=found[0])
                 return raw.view(dtype).view(shape)
-        return torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        # a damaged item (its file's checksum matched a crafted marker) is named, whatever torch raises
+        return safe_torch_load(io.BytesIO(view), name=self._item_name(item, info))
+
+    @staticmethod
+    def _item_name(item: ReadItem, info: Any) -> str:
+        return f"item {item.storage_index.fqn!r} of {info.relative_path}"
 
     def _chunk(self, index: MetadataIndex) -> tuple[torch.Size, torch.dtype]:
         md = self._tensors[index.fqn]
