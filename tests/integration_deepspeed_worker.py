@@ -68,7 +68,14 @@ def train(eng: Any, steps: int, start: int = 0) -> list[float]:
 
 
 def params(eng: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
+    """The module's whole weights (gathered under ZeRO-3)."""
+    import contextlib
+
+    gathered = contextlib.nullcontext()
+    if eng.zero_optimization_stage() == 3:
+        gathered = _deepspeed().zero.GatheredParameters(list(eng.module.parameters()))
+    with gathered:
+        return {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
 
 
 def tag_files(directory: Path) -> dict[str, bytes]:
@@ -134,7 +141,8 @@ def full_state(eng: Any) -> dict[str, torch.Tensor]:
     """Every parameter's whole fp32 master and Adam moments (collective: each rank holds a fragment)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    eng.optimizer._lazy_init_hp_params_optimizer_state()
+    if eng.zero_optimization_stage() < 3:
+        eng.optimizer._lazy_init_hp_params_optimizer_state()
     out = {}
     for name, param in eng.module.named_parameters():
         out[f"{name}.fp32"] = safe_get_full_fp32_param(param).clone()

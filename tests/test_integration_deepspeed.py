@@ -131,7 +131,7 @@ def resharded(tmp_path_factory):
     return directory, saved
 
 
-@pytest.mark.parametrize("world, stage", [(1, 2), (1, 1)])
+@pytest.mark.parametrize("world, stage", [(1, 2), (1, 1), (1, 3)])
 def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded, world, stage):
     directory, saved = resharded
     assert (directory / "latest").read_text() == "global_step3"

@@ -24,13 +24,18 @@ The boxes are in each parameter's own coordinates, not in the padded flat space,
 padding and order depend on the data-parallel size: a load at another data-parallel
 size reads, for each parameter, exactly the fragment its new partition holds.
 
-Limits (each raises): ZeRO-3 (parameters partitioned: not yet), offloaded optimizer
-states, ``custom_load_fn``, tags that are not ``global_step<N>``.
+Under ZeRO-3 the weights are gathered whole for the save and the load (DeepSpeed's
+``GatheredParameters``: the model's size in memory on every rank for that moment), so
+``model.<name>`` holds the same whole tensors at every stage.
+
+Limits (each raises): offloaded optimizer states, ``custom_load_fn``, tags that are
+not ``global_step<N>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -67,17 +72,27 @@ class _ModelView(torch.nn.Module):
 
 
 class _ZeroView:
-    """A ZeRO-1/2 optimizer as ``sharded_state_dict()``: each parameter's fragment of this rank's partition.
+    """A ZeRO optimizer as ``sharded_state_dict()``: each parameter's fragment of this rank's partition.
 
-    ``param._hp_mapping`` (DeepSpeed's link from a model parameter to its slice of the
-    flat fp32 partition) gives the slice's offset in the flattened parameter and views of
-    the fp32 master and of each Adam moment there. Loading fills those views in place.
+    ZeRO-1/2: ``param._hp_mapping`` (DeepSpeed's link from a model parameter to its slice
+    of the flat fp32 partition) gives the slice's offset in the flattened parameter and
+    views of the fp32 master and of each Adam moment there. ZeRO-3 partitions every
+    parameter on its own: rank r holds elements ``[r * n, (r + 1) * n)`` of it (``n`` its
+    ``partition_numel()``, the last partition padded), and DeepSpeed's
+    ``get_local_fp32_param`` gives views of the master and moments. Loading fills the
+    views in place.
     """
 
     def __init__(self, engine: Any):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.param_groups = self.optimizer.param_groups
+        self.stage3 = int(engine.zero_optimization_stage()) == 3
+
+    def _flats(self) -> list[torch.Tensor]:
+        if self.stage3:
+            return list(self.optimizer.fp32_partitioned_groups_flat)
+        return list(self.optimizer.single_partition_of_fp32_groups)
 
     def link(self) -> None:
         """Make sure Adam's moments exist and every parameter's mapping has views of them.
@@ -89,25 +104,44 @@ class _ZeroView:
         overwrites the moments and the step count), then link again.
         """
         base = self.optimizer.optimizer
-        flats = self.optimizer.single_partition_of_fp32_groups
+        flats = self._flats()
         if any(not base.state.get(flat) for flat in flats):
-            lrs = [group["lr"] for group in base.param_groups]
-            for flat in flats:
-                flat.grad = torch.zeros_like(flat)
+            self._zero_step(base, flats)
+        if not self.stage3:
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
+
+    def _zero_step(self, base: torch.optim.Optimizer, flats: list[torch.Tensor]) -> None:
+        """One step of ``base`` over ``flats`` with zero gradients and learning rate: Adam creates its moments.
+
+        ZeRO-3 keeps its base optimizer's groups empty between steps and steps each
+        sub-group alone (DeepSpeed's ``_optimizer_step``); so does this.
+        """
+        lrs = [group["lr"] for group in base.param_groups]
+        owners = [self.optimizer.sub_group_to_group_id[i] if self.stage3 else i for i in range(len(flats))]
+        saved = [list(group["params"]) for group in base.param_groups]
+        try:
             for group in base.param_groups:
                 group["lr"] = 0.0
-            try:
+            for flat, owner in zip(flats, owners):
+                flat.grad = torch.zeros_like(flat)
+                if self.stage3:
+                    base.param_groups[owner]["params"] = [flat]
                 base.step()
-            finally:
-                for group, lr in zip(base.param_groups, lrs):
-                    group["lr"] = lr
-                for flat in flats:
-                    flat.grad = None
-        self.optimizer._hp_optimizer_states_linked = False
-        self.optimizer._lazy_init_hp_params_optimizer_state()
+                if self.stage3:
+                    base.param_groups[owner]["params"] = []
+                flat.grad = None
+        finally:
+            for group, lr, params in zip(base.param_groups, lrs, saved):
+                group["lr"] = lr
+                group["params"] = params
+            for flat in flats:
+                flat.grad = None
 
     def sharded_state_dict(self, model_shards: Mapping[str, Shard]) -> dict[str, Shard]:
         self.link()
+        if self.stage3:
+            return self._stage3_boxes()
         boxes: dict[str, Shard] = {}
         for name, param in self.engine.module.named_parameters():
             mapping = getattr(param, "_hp_mapping", None)
@@ -119,6 +153,23 @@ class _ZeroView:
             for key in _MOMENTS:
                 if key in mapping.get_optim_state_keys():
                     boxes[f"{name}.{key}"] = Shard(mapping.get_hp_fragment(key), shape, offset)
+        return boxes
+
+    def _stage3_boxes(self) -> dict[str, Shard]:
+        rank = torch.distributed.get_rank(group=self.optimizer.dp_process_group) if comm.initialized() else 0
+        boxes: dict[str, Shard] = {}
+        for name, param in self.engine.module.named_parameters():
+            if not param.requires_grad:
+                continue
+            size, total = param.partition_numel(), param.ds_numel
+            start = rank * size
+            length = max(0, min(size, total - start))
+            if length == 0:
+                continue  # this rank's partition is all padding
+            views = {"fp32": self.optimizer.get_local_fp32_param(param)}
+            views.update({key: self.optimizer.get_local_fp32_param(param, key) for key in _MOMENTS})
+            for key, view in views.items():
+                boxes[f"{name}.{key}"] = Shard(view.narrow(0, 0, length), (total,), (start,))
         return boxes
 
     def load_sharded_state_dict(self, loaded: Mapping[str, Shard]) -> None:
@@ -192,10 +243,10 @@ def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check_supported(engine: Any) -> None:
     stage = int(engine.zero_optimization_stage())
-    if stage not in (1, 2):
+    if stage not in (1, 2, 3):
         raise CheckpointError(
-            f"the reshardable DeepSpeed mode supports ZeRO stages 1 and 2 (this engine runs stage {stage}); "
-            "use engine mode (shardpoint.integrations.deepspeed.use(engine)) for this run"
+            f"the reshardable DeepSpeed mode needs a ZeRO optimizer (stage 1, 2 or 3; this engine runs stage "
+            f"{stage}); use engine mode (shardpoint.integrations.deepspeed.use(engine)) for this run"
         )
     if engine.zero_cpu_offload():
         raise CheckpointError("the reshardable DeepSpeed mode does not support offloaded optimizer states yet")
@@ -211,6 +262,15 @@ def _iteration(engine: Any, tag: Any) -> int:
             "default); pass tag=None or a tag of that form"
         )
     return tag_iteration(tag, int(engine.global_steps))
+
+
+def _whole_parameters(engine: Any, loading: bool) -> Any:
+    """ZeRO-3: every parameter whole on every rank for the block (a load's values are re-partitioned from rank 0)."""
+    if int(engine.zero_optimization_stage()) != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0 if loading else None)
 
 
 def _checkpointer(engine: Any, directory: str, options: Mapping[str, Any]) -> Checkpointer:
@@ -263,7 +323,7 @@ def save_checkpoint(
         # what of client_state is plain data, for a load at another layout (where per-rank state is not restored)
         client_state=_plain_json(client_state or {}),
     )
-    with _checkpointer(engine, save_dir, checkpointer_options or {}) as ckpt:
+    with _whole_parameters(engine, loading=False), _checkpointer(engine, save_dir, checkpointer_options or {}) as ckpt:
         ckpt.save(iteration, state)
     return True
 
@@ -295,7 +355,7 @@ def load_checkpoint(
     client = _ClientState()
     state = _train_state(engine, client, optimizer=optimizer, scheduler=load_lr_scheduler_states)
     iteration = None if tag is None else _iteration(engine, tag)
-    with _checkpointer(engine, load_dir, checkpointer_options or {}) as ckpt:
+    with _whole_parameters(engine, loading=True), _checkpointer(engine, load_dir, checkpointer_options or {}) as ckpt:
         rng = not load_module_only
         strict = load_module_strict
         result = ckpt.load(state, iteration=iteration, load_optimizer=optimizer, load_rng=rng, strict=strict)
