@@ -91,10 +91,27 @@ def save_both_ways(rank: int, world: int, stock_dir: str, ours_dir: str, stage: 
 
     eng = engine(stage)
     train(eng, 3)
-    eng.save_checkpoint(stock_dir, tag="global_step3", client_state={"iteration": 3})
+    client = neox_client_state(3, rank)
+    eng.save_checkpoint(stock_dir, tag="global_step3", client_state=client)
     use(eng)
-    eng.save_checkpoint(ours_dir, tag="global_step3", client_state={"iteration": 3})
+    eng.save_checkpoint(ours_dir, tag="global_step3", client_state=client)
     return {"params": params(eng)}
+
+
+def neox_client_state(iteration: int, rank: int) -> dict[str, Any]:
+    """What GPT-NeoX passes as client_state: iteration, the model's defining args, every RNG state."""
+    import random
+
+    import numpy as np
+
+    return {
+        "iteration": iteration,
+        "args": {"num_layers": 2, "hidden_size": 10, "num_attention_heads": 1, "padded_vocab_size": 16},
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rank": rank,
+    }
 
 
 def load_stock(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
@@ -104,18 +121,23 @@ def load_stock(rank: int, world: int, directory: str, stage: int) -> dict[str, A
     return {"path": path, "iteration": client["iteration"], "params": params(eng), "losses": train(eng, 2, 3)}
 
 
-def load_ours(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
+def load_ours(rank: int, world: int, directory: str, stage: int, options: dict | None = None) -> dict[str, Any]:
     """The engine with shardpoint's checkpoint engine loads the directory (checked); a failure is returned."""
     from shardpoint.errors import CheckpointError
     from shardpoint.integrations.deepspeed import use
 
     eng = engine(stage, seed=1)
-    use(eng)
+    use(eng, **(options or {}))
     try:
         path, client = eng.load_checkpoint(directory)
     except CheckpointError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"path": path, "iteration": client["iteration"], "params": params(eng), "losses": train(eng, 2, 3)}
+
+
+def load_ours_each(rank: int, world: int, runs: list[tuple[str, dict]], stage: int) -> list[dict[str, Any]]:
+    """:func:`load_ours` for each ``(directory, use() options)``, a fresh engine each, in one launch."""
+    return [load_ours(rank, world, directory, stage, options) for directory, options in runs]
 
 
 def save_then_killed(rank: int, world: int, directory: str, fault: str) -> dict[str, Any]:
@@ -153,22 +175,11 @@ def full_state(eng: Any) -> dict[str, torch.Tensor]:
 
 def reshard_save(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
     """Train 3 steps at ``world`` ranks, save in the reshardable mode with a GPT-NeoX-shaped client_state."""
-    import random
-
-    import numpy as np
-
     from shardpoint.integrations.deepspeed import save_checkpoint
 
     eng = engine(stage)
     train(eng, 3)
-    client = {
-        "iteration": 3,
-        "args": {"num_layers": 2, "hidden_size": 10, "num_attention_heads": 1},
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "rank": rank,
-    }
+    client = neox_client_state(3, rank)
     assert save_checkpoint(eng, directory, tag="global_step3", client_state=client) is True
     return {
         "state": full_state(eng),

@@ -16,6 +16,7 @@ from tests.distributed import launch
 from tests.integration_deepspeed_worker import (
     ENV,
     load_ours,
+    load_ours_each,
     load_stock,
     reshard_load,
     reshard_save,
@@ -75,7 +76,7 @@ def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both, stock_load
 
 
 def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, stock_loaded, tmp_path):
-    _, ours, saved = both
+    stock, ours, saved = both
     mine = launch(load_ours, 2, str(ours), 2, env=ENV, backend="gloo")
     for a, b in zip(stock_loaded, mine):
         _same(b["params"], saved)
@@ -93,9 +94,13 @@ def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, stock
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40
     victim.write_bytes(bytes(data))
-    for result in launch(load_ours, 2, str(damaged), 2, env=ENV, backend="gloo"):
-        assert "error" in result, "a flipped byte was loaded"
-        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in result["error"]
+    runs = [(str(damaged), {}), (str(stock), {}), (str(stock), {"unverified_ok": True})]
+    for flipped, unmarked, unverified in launch(load_ours_each, 2, runs, 2, env=ENV, backend="gloo"):
+        assert "error" in flipped, "a flipped byte was loaded"
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in flipped["error"]
+        # DeepSpeed's own tag (no shardpoint.json) is refused, naming the way to read it anyway
+        assert "shardpoint.json" in unmarked["error"] and "unverified_ok=True" in unmarked["error"]
+        _same(unverified["params"], saved)
 
 
 @pytest.mark.parametrize(
@@ -131,18 +136,23 @@ def resharded(tmp_path_factory):
     return directory, saved
 
 
-@pytest.mark.parametrize("world, stage", [(1, 2), (1, 1), (1, 3)])
+@pytest.mark.parametrize("world, stage", [(1, 2), (1, 1), (1, 3), (2, 3)])
 def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded, world, stage):
     directory, saved = resharded
     assert (directory / "latest").read_text() == "global_step3"
     assert json.loads((directory / "global_step3" / "shardpoint.json").read_text())["format"] == "dist"
-    for result in launch(reshard_load, world, str(directory), stage, env=ENV, backend="gloo"):
+    results = launch(reshard_load, world, str(directory), stage, env=ENV, backend="gloo")
+    for result in results:
         _same(result["state"], saved[0]["state"])  # fp32 masters and both Adam moments, every element
         _same(result["params"], saved[0]["params"])
         assert result["step"] == saved[0]["step"] == 3
         assert result["global_steps"] == 3
         assert result["client"]["iteration"] == 3
         assert result["client"]["args"]["hidden_size"] == 10
+    if world == 2:  # same layout: each data-parallel rank gets its own client_state (GPT-NeoX's RNG states) back
+        for rank, result in enumerate(results):
+            assert result["client"]["rank"] == rank
+            assert result["client"]["np_rng_state"][1].dtype.name == "uint32"
 
 
 class _RunsCode:
