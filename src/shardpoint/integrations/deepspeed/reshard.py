@@ -28,8 +28,9 @@ Under ZeRO-3 the weights are gathered whole for the save and the load (DeepSpeed
 ``GatheredParameters``: the model's size in memory on every rank for that moment), so
 ``model.<name>`` holds the same whole tensors at every stage.
 
-Limits (each raises): offloaded optimizer states, ``custom_load_fn``, tags that are
-not ``global_step<N>``.
+Limits (each raises): tensor or pipeline parallelism and MoE layers (their names are
+not global yet: use engine mode), offloaded optimizer states, ``custom_load_fn``, tags
+that are not ``global_step<N>``.
 """
 
 from __future__ import annotations
@@ -241,6 +242,21 @@ def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
     return plain
 
 
+def _scaler_state(engine: Any) -> dict[str, Any]:
+    """The loss scaler's numbers (scale, dynamic-scaling counters): plain values, kept in ``extra``."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return {}
+    return {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float)) and not k.startswith("_")}
+
+
+def _restore_scaler(engine: Any, saved: Mapping[str, Any]) -> None:
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for key, value in saved.items():
+        if scaler is not None and hasattr(scaler, key):
+            setattr(scaler, key, value)
+
+
 def _check_supported(engine: Any) -> None:
     stage = int(engine.zero_optimization_stage())
     if stage not in (1, 2, 3):
@@ -250,6 +266,17 @@ def _check_supported(engine: Any) -> None:
         )
     if engine.zero_cpu_offload():
         raise CheckpointError("the reshardable DeepSpeed mode does not support offloaded optimizer states yet")
+    # tensor-parallel pieces and pipeline stages have names of their own that are not global yet:
+    # stored under one key they would be taken for replicas (DESIGN invariant 8)
+    parallel = {"tensor-parallel size": int(getattr(engine, "mp_world_size", 1))}
+    parallel["pipeline stages"] = 2 if getattr(engine, "pipeline_parallelism", False) else 1
+    parallel["MoE layers"] = 2 if getattr(engine, "has_moe_layers", False) else 1
+    beyond = [name for name, size in parallel.items() if size > 1]
+    if beyond:
+        raise CheckpointError(
+            f"the reshardable DeepSpeed mode handles data parallelism only; this engine has {', '.join(beyond)}: "
+            "use engine mode (shardpoint.integrations.deepspeed.use(engine)) for this run"
+        )
 
 
 def _iteration(engine: Any, tag: Any) -> int:
@@ -320,6 +347,7 @@ def save_checkpoint(
         global_samples=int(engine.global_samples),
         skipped_steps=int(engine.skipped_steps),
         optimizer_step=view.step_count(),
+        loss_scaler=_scaler_state(engine),
         # what of client_state is plain data, for a load at another layout (where per-rank state is not restored)
         client_state=_plain_json(client_state or {}),
     )
@@ -367,6 +395,8 @@ def load_checkpoint(
             _ZeroView(engine).set_step_count(int(extra["optimizer_step"]))
     else:
         engine.optimizer.refresh_fp32_params()  # the fp32 masters follow the loaded weights
+    if optimizer:
+        _restore_scaler(engine, extra.get("loss_scaler") or {})
     if not client.value and extra.get("client_state"):
         client.value = dict(extra["client_state"])  # saved at another layout: rank 0's plain part, as DeepSpeed
     if not load_module_only:
