@@ -104,14 +104,36 @@ def _build_run(sp: Any, root: Path, fmt: str, **options: Any) -> None:
 LOCAL_TIER = dict(local_interval=1, local_replicas=0, save_interval=100)
 
 
+NOT_A_CHECKPOINT: set[tuple[str, ...]] = set()  # commands that answer 2 for the pristine source too
+
+
 def _cli(*argv: str) -> None:
-    """Run a subcommand in-process; exit 0 or 1 are answers, anything else (2, an exception) is not."""
+    """Run a subcommand in-process; exit 0 or 1 are answers, anything else (an exception) is not.
+
+    Exit 2 is the CLI's answer to a usage error or "not a checkpoint" (a Hugging Face folder
+    given to ``inspect``); it is an answer only where the pristine source gets it too, since a
+    raw ``ValueError`` from crafted bytes would also exit 2.
+    """
     from shardpoint.cli import main
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
         code = main(list(argv))
+    command = _command(argv)
+    if code == 2 and command in NOT_A_CHECKPOINT:
+        return
     if code not in (0, 1):
-        raise AssertionError(f"shardpoint {' '.join(argv)} exited {code}")
+        raise ExitCode(code, command, f"shardpoint {' '.join(argv)} exited {code}: {err.getvalue()[-500:]}")
+
+
+class ExitCode(AssertionError):
+    def __init__(self, code: int, command: tuple[str, ...], text: str) -> None:
+        super().__init__(text)
+        self.code, self.command = code, command
+
+
+def _command(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The command without the case's own paths (the same for every mutant of a source)."""
+    return tuple(a.split("/cases/")[-1].split("/", 1)[0] if "/cases/" in a else a for a in argv if "/out/" not in a)
 
 
 def _load(sp: Any, options: dict[str, Any] | None = None, **kwargs: Any) -> Callable[[Path, Path], Any]:
@@ -543,6 +565,15 @@ def run(examples: int, report: Path, headroom: int = 1 << 30) -> dict[str, Any]:
     for source in sources:  # the pristine sources load: the readers are right before anything is changed
         case = base / "cases" / source.name
         shutil.copytree(source.root, case)
+        for _, reader in source.readers:  # which commands call this kind of folder "not a checkpoint" (exit 2)
+            out = Path(tempfile.mkdtemp(dir=base / "out"))
+            try:
+                reader(case, out)
+            except ExitCode as exc:
+                if exc.code == 2:
+                    NOT_A_CHECKPOINT.add(exc.command)
+            except Exception:  # noqa: BLE001 - reported by check() below
+                pass
         check(source, case, "pristine")
         shutil.rmtree(case)
     rss_pristine = _peak_rss()

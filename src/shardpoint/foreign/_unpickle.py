@@ -46,6 +46,7 @@ from shardpoint.storage.safe_io import RestrictedUnpickler, load_dcp_metadata
 
 __all__ = [
     "ALLOWED",
+    "PICKLE_DAMAGE",
     "ForeignEnum",
     "ForeignFunction",
     "ForeignObject",
@@ -198,7 +199,7 @@ _LOCK = threading.Lock()
 # What the pickle machine and torch's zip reader raise on damaged bytes (a flipped opcode
 # gives UnpicklingError, a bad memo index KeyError or IndexError, a cut stream EOFError,
 # a bad length struct.error or OverflowError): each means "damaged", not a bug of ours.
-_DAMAGED: tuple[type[BaseException], ...] = (
+PICKLE_DAMAGE: tuple[type[BaseException], ...] = (
     pickle.UnpicklingError,
     ValueError,
     RuntimeError,
@@ -226,7 +227,7 @@ def load_foreign(source: str | os.PathLike[str] | bytes, name: str | None = None
     with _LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS):
         try:
             unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(opened))
-        except _DAMAGED as exc:
+        except PICKLE_DAMAGE as exc:
             raise CorruptCheckpointError(f"{where} is not a readable torch.save file ({_last_line(exc)})") from None
         if unsafe:
             raise UnsafeCheckpointError(
@@ -240,7 +241,7 @@ def load_foreign(source: str | os.PathLike[str] | bytes, name: str | None = None
             return torch.load(opened, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(f"{where}: refused by the weights-only unpickler ({_last_line(exc)})") from None
-        except (*_DAMAGED, OSError) as exc:
+        except (*PICKLE_DAMAGE, OSError) as exc:
             raise CorruptCheckpointError(f"{where} cannot be read ({_last_line(exc)}); the file is damaged") from None
 
 

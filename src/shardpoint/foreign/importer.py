@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from typing import Any
 
 import torch
 
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.foreign._types import ForeignCheckpoint
+from shardpoint.foreign._unpickle import PICKLE_DAMAGE
 from shardpoint.foreign.deepspeed import is_deepspeed_dir, read_deepspeed
 from shardpoint.foreign.megatron import MODEL_FILE, is_legacy_dir, read_legacy
 from shardpoint.foreign.megatron_torch_dist import is_torch_dist_dir, read_torch_dist
@@ -140,7 +140,7 @@ def _holds_megatron_args(directory: str) -> bool:
     files = sorted(os.path.join(directory, n, MODEL_FILE) for n in os.listdir(directory) if n.startswith("mp_rank_"))
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(next(f for f in files if os.path.exists(f)))
-    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError):
+    except (OSError, *PICKLE_DAMAGE):
         return True  # unreadable: the reader names the damage
     return "argparse.Namespace" in names
 
