@@ -42,11 +42,11 @@ def both(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     stock, ours = root / "stock", root / "ours"
     results = launch(save_both_ways, 2, str(stock), str(ours), 2, env=ENV, backend="gloo")
-    return stock, ours, results[0]["params"]
+    return stock, ours, results[0]["params"], [r["losses"] for r in results]
 
 
 def test_engine_mode_files_are_deepspeeds_own(both):
-    stock, ours, _ = both
+    stock, ours, *_ = both
     theirs, mine = tag_files(stock / TAG), tag_files(ours / TAG)
     assert set(mine) == set(theirs) | {"shardpoint.json"}
     for name, data in theirs.items():
@@ -61,12 +61,12 @@ def test_engine_mode_files_are_deepspeeds_own(both):
 @pytest.fixture(scope="module")
 def stock_loaded(both):
     """DeepSpeed's own engine (no shardpoint) loads shardpoint's files and trains two more steps."""
-    _, ours, _ = both
+    _, ours, *_ = both
     return launch(load_stock, 2, str(ours), 2, env=ENV, backend="gloo")
 
 
 def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both, stock_loaded):
-    _, ours, saved = both
+    _, ours, saved, _ = both
     for result in stock_loaded:
         assert result["iteration"] == 3
         _same(result["params"], saved)
@@ -76,11 +76,11 @@ def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both, stock_load
 
 
 def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, stock_loaded, tmp_path):
-    stock, ours, saved = both
+    stock, ours, saved, uninterrupted = both
     mine = launch(load_ours, 2, str(ours), 2, env=ENV, backend="gloo")
-    for a, b in zip(stock_loaded, mine):
+    for a, b, going_on in zip(stock_loaded, mine, uninterrupted):
         _same(b["params"], saved)
-        assert a["losses"] == b["losses"]  # training resumed as from DeepSpeed's own load
+        assert a["losses"] == b["losses"] == going_on  # resumed bit for bit: as from DeepSpeed's load, as uninterrupted
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     for entry in ours.iterdir():
@@ -109,6 +109,7 @@ def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, stock
         # rank 0 killed with every file written, before the marker
         "point=mid-data,rank=1,action=kill",
         "point=before-marker,rank=0,action=kill",
+        "point=mid-data,rank=1,action=raise",  # a failed write on one rank fails the save on every rank
     ],
 )
 def test_engine_mode_kill_during_save_leaves_latest_loadable(tmp_path, fault):
@@ -116,6 +117,9 @@ def test_engine_mode_kill_during_save_leaves_latest_loadable(tmp_path, fault):
     directory.mkdir()
     codes = launch(save_then_killed, 2, str(directory), fault, env=ENV, backend="gloo", expect_failure=True, timeout=90)
     assert any(code != 0 for code in codes)
+    if "raise" in fault:  # every rank failed (none hangs or returns success) and nothing is left behind
+        assert all(code != 0 for code in codes), codes
+        assert not [p.name for p in directory.iterdir() if p.name.startswith(".shardpoint-")]
     tag = (directory / "latest").read_text()
     assert tag == "global_step2", f"latest names {tag!r} after a kill mid-save"
     expected = torch.load(directory / "expected_0.pt")
