@@ -22,8 +22,10 @@ no NFS negative lookup cache can hide them. ``node_local=True/False`` skips it.
     -> file records are gathered through collectives (nobody reads another node's disk)
     -> each leader writes shardpoint-node.json (its node's files, the full marker
        embedded) and renames its directory into place
-    -> every rank uploads the files it wrote (:mod:`shardpoint.lifecycle.upload`)
-    -> once every rank's upload is done, rank 0 uploads shardpoint.json, then the tracker.
+    -> every rank uploads the files it wrote into the upload's own staging directory
+       on the store, named by rank 0 (:mod:`shardpoint.lifecycle.upload`)
+    -> once every rank's upload is done, rank 0 publishes it there (shardpoint.json
+       last, as a direct save to that store commits), then the tracker.
 
 The local directories hold **no** ``shardpoint.json`` and no tracker: a node's copy
 is a part (``"partial": true``, ``"ranks": [r..s]``) and can never be mistaken for a
