@@ -1,13 +1,19 @@
 """shardpoint.integrations.deepspeed with a real DeepSpeed engine on CPU (gloo, 2 ranks).
 
 Engine mode: the files equal DeepSpeed's own engine's byte for byte and DeepSpeed's own
-loader reads them; a kill at any moment of a save leaves ``latest`` naming a loadable tag;
-a flipped byte is named on load, on every rank.
+loader and ``zero_to_fp32`` read them; a resume equals the uninterrupted run; a kill (or a
+failed write) during a save leaves ``latest`` naming a loadable tag; a flipped byte is
+named on load, on every rank; a crafted pickle runs nothing.
+
+Reshardable mode: saved at dp=2 ZeRO-2, resumed at dp=1 ZeRO-1/2/3 and dp=2 ZeRO-3 with
+identical weights, fp32 masters, Adam moments and step; GPT-NeoX's client_state per rank.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -25,7 +31,9 @@ from tests.integration_deepspeed_worker import (
     tag_files,
 )
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra")
+# DeepSpeed is imported by the ranks (and by two tests), not at collection: its import takes seconds
+pytestmark = pytest.mark.skipif(find_spec("deepspeed") is None, reason="DeepSpeed is in the test extra")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # for this process's own imports of DeepSpeed
 
 TAG = "global_step3"
 
