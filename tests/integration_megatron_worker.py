@@ -124,6 +124,7 @@ def args(root: str, **over: Any) -> Any:
         num_layers=LAYERS, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=None,
         ckpt_fully_parallel_save=True,
     )  # fmt: skip
+    values["rank"] = torch.distributed.get_rank()  # as in Megatron's args: they differ by rank
     values.update(over)
     return argparse.Namespace(**values)
 

@@ -221,7 +221,8 @@ class Session:
         self._log_flags(args)
         state = self.state(model, optimizer, opt_param_scheduler, args, saving=True)
         state.extra.update(_progress(args, num_floating_point_operations_so_far))
-        files = {ARGS_FILE: json.dumps(_args_json(args), indent=1).encode()}
+        # rank 0's args (other ranks differ in rank and local_rank): one writer per file
+        files = {ARGS_FILE: json.dumps(_args_json(args), indent=1).encode()} if _rank() == 0 else None
         ckpt = self.main(args)
         if non_persistent_ckpt and ckpt.local_tier is not None:
             ckpt.local_tier.save(iteration, state)
@@ -334,6 +335,12 @@ class Session:
             return self.original["load_args_from_checkpoint"](args, load_arg=load_arg, **kw)
         finally:
             checkpointing._load_base_checkpoint = original
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _megatron_args() -> argparse.Namespace:
