@@ -92,6 +92,7 @@ __all__ = [
     "SafeFileSystemReader",
     "ShardLoadPlanner",
     "ShardSavePlanner",
+    "dcp_errors",
     "dcp_reader",
     "dcp_writer",
 ]
@@ -363,7 +364,7 @@ class DistFormat:
         shards = _shards(flat, rank)
         state_dict = {key: shard.tensor for key, shard in shards.items()}
         planner = ShardSavePlanner(shards)
-        with _dcp_errors(directory), paused_gc():
+        with dcp_errors(directory), paused_gc():
             dist_save.write(ctx, writer, planner, state_dict, lambda: self.fingerprint(ctx, flat))
         ctx.pending["writer"] = writer
         files = {**writer.records(), **writer.referred}
@@ -382,7 +383,7 @@ class DistFormat:
     def finish(self, ctx: FormatContext, parts: list[Any]) -> dict[str, FileRecord]:
         """Rank 0: ``.metadata`` from every rank's records (:mod:`~shardpoint.formats.dist_save`)."""
         writer = ctx.pending["writer"]
-        with _dcp_errors(ctx.directory):
+        with dcp_errors(ctx.directory):
             if not dist_save.finish(ctx, writer, parts):
                 return {}  # dcp.save wrote it
         return {DCP_METADATA: writer.records()[DCP_METADATA]}
@@ -407,7 +408,7 @@ class DistFormat:
         rank's failure everywhere.
         """
         expected = {n: meta.files[n] for n in self.checksummed_while_reading(meta)} if ctx.verify else None
-        reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items)
+        reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items, meta.files)
         reader.metadata_record = (expected or {}).get(DCP_METADATA)
         outline, whole = share_outline(reader)
         saved = sorted(outline.state_dict_metadata)
@@ -448,14 +449,14 @@ class DistFormat:
         common_path = ctx.storage.join(ctx.directory, COMMON_FILE)
 
         def read() -> tuple[list[str], int]:
-            with _dcp_errors(ctx.directory, loading=True), paused_gc():
+            with dcp_errors(ctx.directory, loading=True), paused_gc():
                 if exchange is None:  # what dcp.load(no_dist=True) does, without planning a second time
                     reader.set_up_storage_reader(metadata, comm.rank() == 0)
                     reader.read_data(LoadPlan(items), planner).wait()
                 else:
                     _read_items(reader, metadata, present, exchange, ctx.directory)
             if exchange is not None:
-                exchange.stage()  # outside _dcp_errors: a GPU out of memory is not a damaged file
+                exchange.stage()  # outside dcp_errors: a GPU out of memory is not a damaged file
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
             outcome = sorted(reader.checked | reader.metadata_checked), reader.bytes_read
@@ -525,7 +526,7 @@ class DistFormat:
 
 
 @contextmanager
-def _dcp_errors(directory: str, loading: bool = False) -> Iterator[None]:
+def dcp_errors(directory: str, loading: bool = False) -> Iterator[None]:
     """Unwrap DCP's CheckpointException (a BaseException carrying every rank's traceback).
 
     DCP raises it on every rank, so re-raising here keeps all ranks in step. The first

@@ -17,7 +17,7 @@ from shardpoint.catalog.integrity import verify_files
 from shardpoint.catalog.metadata import CheckpointMetadata, listed_record
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.formats.base import read_torch_file
-from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_reader
+from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_errors, dcp_reader
 from shardpoint.formats.torch_format import MAIN_FILE, dp_files, read_pieces
 from shardpoint.offline._common import (
     Box,
@@ -173,7 +173,7 @@ def _read_dist(storage: Storage, directory: str, meta: CheckpointMetadata, progr
     for start in range(0, len(keys), step):
         batch = {k: tensors[k] for k in keys[start : start + step]}
         shards = {k: Shard(t, tuple(t.shape), (0,) * t.dim()) for k, t in batch.items()}
-        with single_process():
+        with single_process(), dcp_errors(directory, loading=True):
             dcp.load(
                 batch,
                 storage_reader=dcp_reader(
