@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 
@@ -219,27 +220,37 @@ def test_a_save_outside_fit_lets_go_of_the_directory(tmp_path):
     assert marker(tmp_path / "last-v1.ckpt")["iteration"] == 4  # Lightning versions the name it found taken
 
 
-def test_fsspec_urls_shardpoint_does_not_serve_are_refused_by_name(tmp_path):
+def test_any_fsspec_url_lightning_takes_is_served(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    import shardpoint as sp
     from shardpoint.integrations.lightning import ShardpointCheckpointIO
     from tests.integration_lightning_worker import Tiny, data
 
-    trainer = lightning.Trainer(
-        accelerator="cpu",
-        devices=1,
-        plugins=[ShardpointCheckpointIO()],
-        max_steps=2,
-        callbacks=[ModelCheckpoint(dirpath="memory://ckpt", every_n_train_steps=2)],
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    with pytest.raises(sp.CheckpointError, match=r"memory://ckpt.*local paths and s3://.*not to memory://"):
-        trainer.fit(Tiny(), train_dataloaders=data())
+    def memory_trainer(dirpath: str, max_steps: int):
+        return lightning.Trainer(
+            accelerator="cpu",
+            devices=1,
+            plugins=[ShardpointCheckpointIO()],
+            max_steps=max_steps,
+            callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_last=True)],
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+
+    root = f"memory://{tmp_path.name}/ckpt"  # Lightning's own tests use memory://
+    trained = Tiny()
+    memory_trainer(root, 2).fit(trained, train_dataloaders=data())
+    fs = fsspec.filesystem("memory")
+    assert fs.exists(f"{root}/last.ckpt/shardpoint.json") and fs.exists(f"{root}/.last.ckpt.latest")
+    model = Tiny(lr=0.5)
+    resumed = memory_trainer(root, 2)
+    resumed.fit(model, train_dataloaders=data(), ckpt_path=f"{root}/last.ckpt")
+    assert resumed.global_step == 2
+    assert_same(model.state_dict(), trained.state_dict(), "weights")
+    fs.rm(f"/{tmp_path.name}", recursive=True)
 
 
 def test_a_project_switches_by_resuming_from_lightnings_own_ckpt_file(tmp_path):

@@ -63,12 +63,15 @@ object. Values there that such a load could not read are refused when saving.
   missing and unexpected keys as for its own files, and an ``on_load_checkpoint`` that
   edits the dict applies (a renamed key the model lacks cannot be: it was not read).
   Under ``ModelParallelStrategy``, as in Lightning's own, the load itself is strict or not;
-* ``ddp_spawn`` / ``ddp_notebook`` are refused: their launcher moves the trained weights
-  back to the main process through the CheckpointIO on one rank, which a collective save
-  cannot serve; ``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused (their own
+* ``ddp_spawn`` / ``ddp_notebook``: each spawned rank saves and loads as under ``ddp``; the
+  weights their launcher hands back to the main process through the CheckpointIO (on one
+  rank, not a checkpoint) are written, read and removed as Lightning's own file;
+  ``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused (their own
   sharded files); one optimizer only;
-* paths are local or ``s3://``, ``gs://``, ``az://``: other fsspec URLs (``memory://``, ...) are
-  refused by name before anything is written (see :func:`_check_url`);
+* paths are local, ``s3://``, ``gs://``, ``az://`` or any other fsspec URL (``memory://``, ...:
+  served through fsspec with a warning naming what it cannot guarantee; see
+  :mod:`shardpoint.storage.fsspec_store`); a scheme no filesystem serves is refused by name
+  (:func:`_check_url`);
 * a checkpoint Lightning wrote itself (a ``.ckpt`` file, or ``ModelParallelStrategy``'s DCP
   folder) given as ``ckpt_path`` is read and applied by Lightning's own code, so a running
   project switches to the plugin and resumes; its later saves are shardpoint's;
@@ -112,6 +115,7 @@ from shardpoint.parallel.topology import Topology
 from shardpoint.state.sharding import is_dtensor
 from shardpoint.state.train_state import TrainState
 from shardpoint.storage.base import open_storage
+from shardpoint.storage.fsspec_store import is_fsspec_url
 from shardpoint.storage.object_store import is_object_url
 
 __all__ = ["ShardpointCheckpointIO", "load_checkpoint_dict"]
@@ -517,20 +521,18 @@ def is_stock_checkpoint(path: str) -> bool:
 
 
 def _check_url(path: str) -> None:
-    """Refuse, before any collective, the fsspec URLs Lightning accepts but shardpoint's storage does not serve.
+    """Refuse, before any collective, a URL Lightning accepts that no fsspec filesystem here serves.
 
-    A deliberate difference: shardpoint's commit protocol (marker last, tracker after it,
-    deletes marker-first, each write confirmed) is written per store, and fsspec's generic
-    interface does not say when an object is durable. ``memory://`` would also vanish with
-    the process, which a checkpoint meant to survive a crash cannot.
+    Local paths, ``s3://``, ``gs://``, ``az://`` have shardpoint's own backends; any other
+    scheme fsspec knows (``memory://``, ``hdfs://``, ...) is served through fsspec, with a
+    warning once naming what it cannot guarantee (:mod:`shardpoint.storage.fsspec_store`).
     """
-    if "://" in path and not (path.startswith("file://") or is_object_url(path)):
+    if "://" in path and not (path.startswith("file://") or is_object_url(path) or is_fsspec_url(path)):
         scheme = path.split("://", 1)[0]
         raise CheckpointError(
-            f"{path}: ShardpointCheckpointIO saves to local paths and s3://, gs://, az:// URLs, not to {scheme}:// "
-            "(Lightning reaches it through fsspec; shardpoint's commit protocol needs a storage backend of its own "
-            "for each store). Point ModelCheckpoint(dirpath=...) and default_root_dir at a local path or a store, or "
-            f"keep Lightning's default CheckpointIO for {scheme}://"
+            f"{path}: no fsspec filesystem serves {scheme}:// here (is its package installed?); point "
+            "ModelCheckpoint(dirpath=...) and default_root_dir at a local path, s3://, gs://, az:// or another "
+            "fsspec URL"
         )
 
 

@@ -187,16 +187,24 @@ class LocalStorage:
 
 def open_storage(root: str | os.PathLike[str]) -> Storage:
     """The backend for ``root``: ``s3://``, ``gs://``, ``az://`` (``abfs://``) URLs are object storage,
-    anything else a local path."""
+    other fsspec URLs (``memory://``, ``hdfs://``...) are served alike with a warning, anything else a local path."""
     text = os.fspath(root)
     if is_object_url(text):
         from shardpoint.storage.object_store import ObjectStorage
 
         return ObjectStorage(text)
     if "://" in text and not text.startswith("file://"):
+        from shardpoint.storage.fsspec_store import is_fsspec_url, warn_once
+
+        if is_fsspec_url(text):  # any other fsspec filesystem, served as an object store is (see fsspec_store)
+            from shardpoint.storage.object_store import ObjectStorage
+
+            storage = ObjectStorage(text)
+            warn_once(text, storage.fs)
+            return storage
         raise StorageError(
-            f"{text}: unsupported URL scheme; use a local path, s3://bucket/prefix, gs://bucket/prefix or "
-            "az://container/prefix"
+            f"{text}: unsupported URL scheme (no fsspec filesystem knows it); use a local path, s3://bucket/prefix, "
+            "gs://bucket/prefix, az://container/prefix or another fsspec URL"
         )
     return LocalStorage(text.removeprefix("file://"))
 

@@ -64,10 +64,15 @@ def is_object_url(path: str | os.PathLike[str]) -> bool:
 
 
 def store_of(url: str) -> Any:
-    """The store module for ``url``'s scheme (``shardpoint.storage.s3``, ``.gcs`` or ``.azure``)."""
+    """The store module for ``url``'s scheme (``shardpoint.storage.s3``, ``.gcs`` or ``.azure``).
+
+    Any other fsspec scheme: a :class:`~shardpoint.storage.fsspec_store.FsspecStore` for ``url``.
+    """
     import importlib
 
     scheme = url.split("://", 1)[0].lower()
+    if scheme not in OBJECT_SCHEMES:
+        return importlib.import_module("shardpoint.storage.fsspec_store").FsspecStore(url)
     return importlib.import_module(f"shardpoint.storage.{OBJECT_SCHEMES[scheme]}")
 
 
