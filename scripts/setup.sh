@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install shardpoint with its test and demo extras.
+# Create .venv (if missing) and install shardpoint with its demo and store extras and the test group.
 # torch is pinned by constraints.txt to the CPU build; the library itself asks torch>=2.6.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +9,10 @@ fi
 stamp=.venv/.shardpoint-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   # the machine's pip config lists local wheel folders that may be absent: hide only those warnings
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,demo,s3,gcs,azure]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  # pip >= 25.1 reads the test tools from pyproject's [dependency-groups] (--group)
+  .venv/bin/python -m pip install --quiet "pip>=25.1" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,s3,gcs,azure]" --group test 2>&1 \
+    | { grep -v "^WARNING: Location" || true; }
   # torchtitan's own requirements (datasets, wandb, tensorboard) pin fsspec below what s3fs needs;
   # the checkpoint manager it tests needs none of them, so take torchtitan alone plus what it imports.
   .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps torchtitan einops tyro spmd_types \
