@@ -250,6 +250,7 @@ def test_any_fsspec_url_lightning_takes_is_served(tmp_path):
     resumed.fit(model, train_dataloaders=data(), ckpt_path=f"{root}/last.ckpt")
     assert resumed.global_step == 2
     assert_same(model.state_dict(), trained.state_dict(), "weights")
+    assert_same(Tiny.load_from_checkpoint(f"{root}/last.ckpt").state_dict(), trained.state_dict(), "inference")
     fs.rm(f"/{tmp_path.name}", recursive=True)
 
 

@@ -19,6 +19,7 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.lifecycle.commit import read_marker
 from shardpoint.parallel.topology import Topology
 from shardpoint.storage.base import open_storage
+from shardpoint.storage.fsspec_store import is_fsspec_url
 from shardpoint.storage.object_store import is_object_url
 
 __all__ = [
@@ -76,12 +77,13 @@ def accelerator_topology(accelerator: Any) -> Topology:
 
 
 def is_shardpoint_checkpoint(path: str | os.PathLike[str] | None) -> bool:
-    """Whether ``path`` (local or an object-store URL) is a committed shardpoint checkpoint (holds the marker)."""
+    """Whether ``path`` (local, an object store or other fsspec URL) is a committed shardpoint checkpoint (marker)."""
     if path is None:
         return False
     text = os.fspath(path)
     if "://" in text:
-        return is_object_url(text) and open_storage(text).exists(text.rstrip("/") + "/" + MARKER_NAME)
+        served = is_object_url(text) or is_fsspec_url(text)
+        return served and open_storage(text).exists(text.rstrip("/") + "/" + MARKER_NAME)
     return os.path.isfile(os.path.join(text, MARKER_NAME))
 
 
