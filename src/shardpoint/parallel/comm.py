@@ -430,7 +430,32 @@ def _raise_failures(error: BaseException | None, outcomes: dict[int, str | None]
     failed = {r: s for r, s in outcomes.items() if s is not None}
     if failed:
         first_rank, first = next(iter(sorted(failed.items())))
-        raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}; rank {first_rank}: {first}".rstrip())
+        kind = _same_kind(first)
+        raise kind(f"{what} failed on rank(s) {sorted(failed)}; rank {first_rank}: {first}".rstrip())
+
+
+def _same_kind(summary: str) -> type[CheckpointError]:
+    """The class of the failing rank's error where it is one of ours built from a message alone.
+
+    Every rank then raises the same kind of error: a job whose rank 0 lost a commit race
+    learns ``ConcurrentSaveError`` on every rank, not a plain ``CheckpointError`` on all
+    but one, so callers can tell "another job saved this" from a broken save.
+    """
+    name = summary.split(":", 1)[0]
+    for kind in _checkpoint_errors(CheckpointError):
+        if kind.__name__ == name and not any(
+            "__init__" in vars(c) for c in kind.__mro__ if issubclass(c, CheckpointError)
+        ):
+            return kind
+    return CheckpointError
+
+
+def _checkpoint_errors(base: type[CheckpointError]) -> list[type[CheckpointError]]:
+    """Every subclass of ``base`` defined so far, wherever (``storage.lock.LockedError`` too)."""
+    found = []
+    for sub in base.__subclasses__():
+        found += [sub, *_checkpoint_errors(sub)]
+    return found
 
 
 def _short_tb(error: BaseException) -> str:

@@ -20,7 +20,7 @@ import socket
 import time
 from typing import IO
 
-from shardpoint.errors import CheckpointError, StorageError
+from shardpoint.errors import ConcurrentSaveError, StorageError
 from shardpoint.storage.base import describe_os_error
 
 __all__ = ["DirectoryLock", "LockedError"]
@@ -28,8 +28,8 @@ __all__ = ["DirectoryLock", "LockedError"]
 LOCK_NAME = ".shardpoint.lock"
 
 
-class LockedError(CheckpointError):
-    """Another live process holds the directory's writer lock."""
+class LockedError(ConcurrentSaveError):
+    """Another live process holds the directory's writer lock: another job is saving there."""
 
 
 def _locked(root: str, holder: str) -> LockedError:
