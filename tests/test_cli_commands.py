@@ -199,7 +199,7 @@ def test_inspect_explains_what_is_not_a_checkpoint(tmp_path, runs):
     plain.mkdir()
     (plain / "notes.txt").write_text("hello")
     result = run_module("inspect", plain)
-    assert result.rc == 1 and "is not a checkpoint" in result.one_line_error()
+    assert result.rc == 2 and "is not a checkpoint" in result.one_line_error()
 
     partial = _copy(runs["dist"] / "iter_0000001", tmp_path / "iter_0000001")
     (partial / "shardpoint.json").unlink()
@@ -212,7 +212,7 @@ def test_inspect_explains_what_is_not_a_checkpoint(tmp_path, runs):
     assert result.rc == 1 and "not valid JSON" in result.one_line_error()
 
     result = run_cli("inspect", tmp_path / "missing")
-    assert result.rc == 1 and "does not exist" in result.one_line_error()
+    assert result.rc == 2 and "does not exist" in result.one_line_error()
 
 
 # ----------------------------------------------------------------- verify

@@ -345,8 +345,27 @@ def _launch(world: int, config: dict[str, Any], root: str, phase: str) -> list[d
         return json.load(f)
 
 
+BENCH_EXAMPLES = """examples:
+  shardpoint bench                                # 256 MB on 2 ranks, /dev/shm and the current directory
+  shardpoint bench --size 2GB --ranks 4 --dir /mnt/nvme
+  shardpoint bench --shapes many-small --ranks 1  # 10,000 small tensors against torch.save/torch.load
+  shardpoint bench --scale 2,4,8                  # coordination cost against plain DCP
+  shardpoint bench --frozen-base                  # a LoRA-like fine-tune, frozen base stored once or not
+  shardpoint bench --store s3 --json              # S3 clients on a loopback server
+"""
+
+
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("bench", help="measure save/load speed against the disk's limits and baselines")
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure save/load speed against the disk's limits and baselines",
+        description="Time shardpoint's saves and loads on this machine's disks (gloo ranks on CPU) beside the "
+        "disk's own write/read speed and torch.save/torch.load of the same state; or, with one of the "
+        "'instead' options, coordination at many ranks, planning at simulated rank counts, frozen bytes "
+        "stored once, or S3 clients.",
+        epilog=BENCH_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--size",
         type=parse_size,

@@ -16,6 +16,7 @@ __all__ = [
     "ConfigMismatchError",
     "CorruptCheckpointError",
     "MissingKeysError",
+    "NotACheckpointError",
     "ShapeMismatchError",
     "ShardingError",
     "StorageError",
@@ -136,6 +137,15 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
     Also a ``FileNotFoundError``: that is what Lightning raises for a missing
     ``ckpt_path``, and what users' code catches.
+    """
+
+
+class NotACheckpointError(CheckpointError):
+    """The path given holds no checkpoint: it does not exist, is a file, or holds nothing shardpoint wrote.
+
+    Raised by the offline readers and the CLI (which exits 2 for it, as for a usage error:
+    nothing is damaged, the path is wrong). The message names the path and what it is;
+    another tool's checkpoint is named with the command that reads or imports it.
     """
 
 

@@ -7,10 +7,16 @@ Rules shared by all commands:
 * ``--quiet`` prints only problems and errors; the exit code says the rest.
 * Progress bars are drawn on stderr, and only when both stdout and stderr are
   terminals and neither ``--quiet`` nor ``--json`` was given.
-* Exit codes: 0 ok, 1 a problem was found, 2 a usage error. Errors shardpoint
-  raises on purpose (:class:`~shardpoint.errors.CheckpointError`) reach
-  ``shardpoint.cli.main``, which prints them as one line and exits 1; bad option
-  values (``ValueError``) and I/O errors are turned into one line here.
+* Every JSON document carries ``"schema_version"`` (:data:`SCHEMA_VERSION`), raised
+  when a field changes meaning or goes away (new fields do not raise it).
+* Exit codes (kept stable for scripts): 0 ok; 1 damage or a problem found (a damaged or
+  partial checkpoint, a failed check, an I/O error); 2 a usage error: a bad option, or a
+  path that is not a checkpoint (missing, a file, another tool's checkpoint:
+  :class:`~shardpoint.errors.NotACheckpointError`). Errors shardpoint raises on purpose
+  (:class:`~shardpoint.errors.CheckpointError`) reach ``shardpoint.cli.main``, which
+  prints them as one line; bad option values (``ValueError``) and I/O errors are turned
+  into one line here. With ``--json`` an error is also one JSON document on stdout:
+  ``{"schema_version", "ok": false, "exit_code", "error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
@@ -30,20 +36,26 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from shardpoint.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
+
 __all__ = [
     "EXIT_OK",
     "EXIT_PROBLEM",
     "EXIT_USAGE",
+    "SCHEMA_VERSION",
     "Output",
     "add_output_flags",
+    "exit_code_for",
     "guarded",
     "human_bytes",
     "human_time",
     "jsonable",
     "new_table",
+    "report_error",
 ]
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+SCHEMA_VERSION = 1  # of every JSON document the CLI prints
 _PIPE_WIDTH = 160  # wide enough that tables piped to a file or `less` keep file names on one line
 
 
@@ -77,7 +89,7 @@ class Output:
 
     def emit_json(self, data: Mapping[str, Any]) -> None:
         if self.json:
-            print(json.dumps(jsonable(data), indent=2, sort_keys=False))
+            print(json.dumps({"schema_version": SCHEMA_VERSION, **jsonable(data)}, indent=2, sort_keys=False))
 
     @contextlib.contextmanager
     def progress(self) -> Iterator[Callable[[str, int, int], None]]:
@@ -113,14 +125,28 @@ def guarded(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_PROBLEM
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            return report_error(args, str(exc), EXIT_USAGE, "ValueError")
+        except CheckpointError:
+            raise  # shardpoint.cli.main reports it, with its exit code
         except OSError as exc:
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-            print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
-            return EXIT_PROBLEM
+            return report_error(args, f"{exc.strerror or exc}{where}", EXIT_PROBLEM, type(exc).__name__)
 
     return run
+
+
+def exit_code_for(exc: CheckpointError) -> int:
+    """2 for a path that is not a checkpoint (nothing is damaged: the path is wrong), else 1."""
+    return EXIT_USAGE if isinstance(exc, (NotACheckpointError, CheckpointNotFoundError)) else EXIT_PROBLEM
+
+
+def report_error(args: argparse.Namespace | None, message: str, code: int, kind: str) -> int:
+    """Print an error as one line on stderr and, with ``--json``, as a JSON document on stdout; return ``code``."""
+    print(f"error: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        error = {"type": kind, "message": message}
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "ok": False, "exit_code": code, "error": error}, indent=2))
+    return code
 
 
 def new_table(*columns: str, title: str | None = None) -> Table:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shardpoint import offline
+from shardpoint.commands._other_tools import refuse_other_tool
 from shardpoint.commands._output import EXIT_OK, EXIT_PROBLEM, Output, add_output_flags, guarded, new_table
 
 __all__ = ["add_parser", "compare", "run"]
@@ -93,6 +94,8 @@ def _dtype(t: torch.Tensor) -> str:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
+    refuse_other_tool(args.a, "diff")
+    refuse_other_tool(args.b, "diff")
     with out.progress() as progress:
         left = offline.read_full(args.a, progress=lambda phase, done, total: progress(f"{phase} A", done, total))
         right = offline.read_full(args.b, progress=lambda phase, done, total: progress(f"{phase} B", done, total))

@@ -122,7 +122,7 @@ def describe_directory(root: str, storage: Storage | None = None) -> dict[str, A
     leftovers = [n for n in storage.listdir(root) if n.startswith(commit.TMP_PREFIX)]
     if not entries and not tracker["exists"]:
         offline.resolve(root, storage=storage)  # raises "not a checkpoint" (or "no committed checkpoint")
-    rows = [_entry_row(e, tracker.get("names")) for e in entries]
+    rows = [{**_entry_row(e, tracker.get("names")), "damaged": _size_damage(storage, e)} for e in entries]
     held = [_held_row(storage, root, name) for name in references.held_dirs(storage, root)]
     names = {e.name for e in entries if e.committed}
     if tracker["exists"] and tracker["problem"] is None and tracker["names"] not in names:
@@ -160,6 +160,15 @@ def _tracker_state(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
     if found:
         state.update(exists=True, names=layout.dir_name(iteration))
     return state
+
+
+def _size_damage(storage: Storage, entry: commit.CheckpointEntry) -> list[str]:
+    """Files of a committed checkpoint that are missing or not their recorded size (no checksums: a listing
+    stays cheap; ``shardpoint verify`` reads the bytes). A truncated checkpoint must not be listed as fine.
+    """
+    if not entry.committed or entry.meta is None:
+        return []
+    return [f"{p.file}: {p.problem}" for p in verify_files(storage, entry.path, entry.meta, checksums=False)]
 
 
 def _entry_row(entry: commit.CheckpointEntry, tracked: str | None) -> dict[str, Any]:
@@ -213,7 +222,7 @@ def _show_directory(out: Output, storage: Storage, root: str) -> int:
             row.get("format", "-"),
             f"{topo['tp']}/{topo['pp']}/{topo['dp']}" if topo else "-",
             _size_cell(row),
-            "committed" if row["committed"] else "[red]partial[/red] (no shardpoint.json)",
+            _status_cell(row),
             "[bold]<- tracker[/bold]" if row["tracked"] else "",
         )
     out.print(table)
@@ -234,8 +243,18 @@ def _show_directory(out: Output, storage: Storage, root: str) -> int:
     for row in report["checkpoints"]:
         if not row["committed"]:
             out.problem(f"{row['name']}: partial checkpoint, not committed (no {MARKER_NAME}); it is never loaded")
-    bad = tracker["problem"] or any(not r["committed"] for r in report["checkpoints"])
+        for damage in row["damaged"]:
+            out.problem(f"{row['name']}: DAMAGED, {damage}; `shardpoint verify {root}` checks every file")
+    bad = tracker["problem"] or any(not r["committed"] or r["damaged"] for r in report["checkpoints"])
     return EXIT_PROBLEM if bad else EXIT_OK
+
+
+def _status_cell(row: dict[str, Any]) -> str:
+    if not row["committed"]:
+        return "[red]partial[/red] (no shardpoint.json)"
+    if row["damaged"]:
+        return f"[red]DAMAGED[/red] ({len(row['damaged'])} file(s) missing or truncated)"
+    return "committed"
 
 
 def _size_cell(row: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 from shardpoint import offline
+from shardpoint.commands._other_tools import refuse_other_tool
 from shardpoint.commands._output import EXIT_OK, Output, add_output_flags, guarded, human_bytes, new_table
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.lifecycle import commit, references
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 EXAMPLES = """examples:
   shardpoint prune runs/gpt --keep-last 3 --dry-run     # show what would go
   shardpoint prune runs/gpt --keep-last 3 --keep-every 1000
+  shardpoint prune runs/gpt --keep-every 1000 --dry-run  # only multiples of 1000 (and the tracker's)
   shardpoint prune s3://bucket/runs/gpt --keep-last 2     # no writer lock on object storage
 """
 
@@ -53,7 +55,7 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("directory", metavar="DIR", help="the save directory (local, s3://, gs:// or az://)")
-    parser.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the newest N checkpoints")
+    parser.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N checkpoints")
     parser.add_argument(
         "--keep-every", type=int, metavar="K", help="also keep every checkpoint whose iteration is a multiple of K"
     )
@@ -108,14 +110,24 @@ def plan(root: str, policies: list[PreservationPolicy], storage: Storage | None 
     return {"directory": root, "checkpoints": rows, "leftovers": leftovers, "partial": partial}
 
 
+def _policies(args: argparse.Namespace) -> list[PreservationPolicy]:
+    """The retention the flags ask for; errors name the flags (a ValueError: exit 2)."""
+    if args.keep_last is None and args.keep_every is None:
+        raise ValueError("give --keep-last N, --keep-every K or both: prune keeps what they name")
+    for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    policies: list[PreservationPolicy] = [] if args.keep_last is None else [LatestN(args.keep_last)]
+    return policies + ([] if args.keep_every is None else [KeepEvery(args.keep_every)])
+
+
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
     storage = open_storage(args.directory)
     root = storage.root
-    policies: list[PreservationPolicy] = [LatestN(args.keep_last)]
-    if args.keep_every is not None:
-        policies.append(KeepEvery(args.keep_every))
+    refuse_other_tool(args.directory, "prune")
+    policies = _policies(args)
     if args.dry_run:
         report = plan(root, policies, storage)
     else:

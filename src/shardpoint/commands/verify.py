@@ -14,7 +14,9 @@ between leaves it beside a complete, committed checkpoint.
 Works on local paths and ``s3://bucket/prefix`` alike; on object storage every
 object is downloaded once to checksum it (streamed, not held in memory).
 
-Exit status: 0 when everything checked is intact, 1 when anything is wrong.
+Exit status: 0 when everything checked is intact, 1 when anything is wrong, 2 when
+the path is not a shardpoint checkpoint (missing, or another tool's: the message says
+which command reads it).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from typing import Any
 from shardpoint import offline
 from shardpoint.catalog.integrity import verify_files
 from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
+from shardpoint.commands._other_tools import refuse_other_tool
 from shardpoint.commands._output import EXIT_OK, EXIT_PROBLEM, Output, add_output_flags, guarded, human_bytes, new_table
 from shardpoint.commands.inspect import describe_directory
-from shardpoint.errors import CheckpointError
+from shardpoint.errors import CheckpointError, NotACheckpointError
 from shardpoint.formats.dist import DCP_METADATA, dcp_reader
 from shardpoint.lifecycle import commit
 from shardpoint.storage.base import Storage, open_storage
@@ -67,6 +70,7 @@ def add_parser(subparsers: Any) -> None:
 @guarded
 def run(args: argparse.Namespace) -> int:
     out = Output(args)
+    refuse_other_tool(args.directory, "verify")
     storage = open_storage(args.directory)
     path = storage.root
     if offline.is_checkpoint_dir(path, storage):
@@ -94,7 +98,7 @@ def _targets(listing: dict[str, Any], root: str, args: argparse.Namespace) -> li
         chosen = [r for r in rows if r["iteration"] == args.iteration]
         if not chosen:
             names = ", ".join(r["name"] for r in rows) or "none"
-            raise CheckpointError(f"no checkpoint of iteration {args.iteration} under {root}; found: {names}")
+            raise NotACheckpointError(f"no checkpoint of iteration {args.iteration} under {root}; found: {names}")
         return [(chosen[0]["name"], chosen[0]["path"])]
     tracked = [r for r in rows if r["tracked"]]
     committed = [r for r in rows if r["committed"]]

@@ -14,7 +14,7 @@ import warnings
 
 from shardpoint.catalog.layout import LAYOUTS, RELEASE, Layout
 from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.errors import CheckpointError, CorruptCheckpointError
+from shardpoint.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from shardpoint.formats.dist import COMMON_FILE
 from shardpoint.lifecycle import commit
 from shardpoint.offline._common import MP_DIR
@@ -36,7 +36,7 @@ def resolve(
         storage: the storage ``path`` lives on (default: ``open_storage(path)``).
 
     Raises:
-        CheckpointError: ``path`` is not a checkpoint nor a directory of checkpoints.
+        NotACheckpointError: ``path`` is not a checkpoint nor a directory of checkpoints.
         CorruptCheckpointError: the checkpoint is partial (no marker) or its marker is damaged.
         StorageError: ``path`` is a URL of an unsupported kind, or the object store failed.
 
@@ -47,7 +47,7 @@ def resolve(
     root = _canonical(storage, path)
     if not storage.is_dir(root):
         what = "is a file" if storage.exists(root) else "does not exist"
-        raise CheckpointError(f"{root} {what}; pass a checkpoint directory or the directory a job saves into")
+        raise NotACheckpointError(f"{root} {what}; pass a checkpoint directory or the directory a job saves into")
     if is_checkpoint_dir(root, storage):
         meta = commit.read_marker(storage, root)
         if iteration is not None and (meta.release or meta.iteration != iteration):
@@ -67,7 +67,9 @@ def resolve(
         return committed[-1].path, committed[-1].meta
     directory = storage.join(root, layout.dir_name(iteration))
     if not storage.is_dir(directory):
-        raise CheckpointError(f"{directory} does not exist; checkpoints under {root}: {_names(storage, root, layout)}")
+        raise NotACheckpointError(
+            f"{directory} does not exist; checkpoints under {root}: {_names(storage, root, layout)}"
+        )
     return directory, commit.read_marker(storage, directory)
 
 
@@ -136,7 +138,7 @@ def _nothing_here(storage: Storage, root: str, layout: Layout) -> CheckpointErro
             f"no committed checkpoint under {root}: {', '.join(partial)} "
             f"have no {MARKER_NAME} (their saves did not finish)"
         )
-    return CheckpointError(
+    return NotACheckpointError(
         f"{root} is not a checkpoint: it has no {MARKER_NAME} and no checkpoint "
         "directories (iter_*, global_step*, release) under it"
     )
