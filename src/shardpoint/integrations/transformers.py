@@ -87,7 +87,7 @@ class ShardpointTrainer(Trainer):
     """``transformers.Trainer`` whose checkpoints are shardpoint checkpoints.
 
     Args:
-        *args, **kwargs: what ``transformers.Trainer`` takes.
+        args, kwargs: what ``transformers.Trainer`` takes, positionally and by name.
         checkpointer_options: keyword arguments of :class:`shardpoint.Checkpointer`
             (``async_save``, ``upload_to``, ``keep_best``, ``keep_every``, ``config``, ...).
             Without a ``keep_*`` option, retention is the Trainer's own (``save_total_limit``,
