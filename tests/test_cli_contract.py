@@ -150,3 +150,13 @@ def test_other_tools_checkpoints_are_named_with_what_to_run(fixture, tool, run_d
         assert code == 2, (argv, err)
         assert f"convert {tool} {path}" in err and "PARTIAL" not in err and "tracker" not in err, err
     assert sorted(p.name for p in path.rglob("*")) == before  # nothing pruned
+
+
+def test_help_texts_show_no_rst_markup(capsys):
+    for command in ("demo", "inspect", "verify", "convert", "export", "prune", "diff", "bench"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert exit_info.value.code == 0 and out
+        for markup in ("``", ":mod:`", ":class:`", ":func:`", ":meth:`"):
+            assert markup not in out, (command, markup)

@@ -27,6 +27,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
@@ -51,6 +52,7 @@ __all__ = [
     "human_time",
     "jsonable",
     "new_table",
+    "plain_help",
     "report_error",
 ]
 
@@ -147,6 +149,13 @@ def report_error(args: argparse.Namespace | None, message: str, code: int, kind:
         error = {"type": kind, "message": message}
         print(json.dumps({"schema_version": SCHEMA_VERSION, "ok": False, "exit_code": code, "error": error}, indent=2))
     return code
+
+
+def plain_help(doc: str | None) -> str:
+    """A module docstring as ``--help`` text: RST roles and literals as plain words (``:mod:`x``` -> ``x``)."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc or "")
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    return re.sub(r"::$", ":", text, flags=re.MULTILINE)
 
 
 def new_table(*columns: str, title: str | None = None) -> Table:

@@ -36,6 +36,7 @@ from rich.console import Console
 
 import shardpoint as sp
 from shardpoint.catalog.layout import get_layout
+from shardpoint.commands import plain_help
 from shardpoint.demo.cluster import loopback_s3, run_cluster_demo
 from shardpoint.demo.phases import DemoSettings, output_dir, prepare_directories, reference_phase, run_phase
 from shardpoint.demo.procs import RunOutcome
@@ -51,7 +52,7 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="train a tp/pp/dp GPT on local CPU ranks: preempt, resume, reshard",
-        description=__doc__,
+        description=plain_help(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
