@@ -160,3 +160,12 @@ def test_help_texts_show_no_rst_markup(capsys):
         assert exit_info.value.code == 0 and out
         for markup in ("``", ":mod:`", ":class:`", ":func:`", ":meth:`"):
             assert markup not in out, (command, markup)
+
+
+def test_demo_without_matplotlib_skips_the_plot_and_names_the_extra(tmp_path, monkeypatch, caplog):
+    from shardpoint.demo.report import plot_losses
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the demo extra were not installed
+    plot_losses([], {1: 1.0, 2: 0.5}, str(tmp_path / "loss.png"))
+    assert not (tmp_path / "loss.png").exists()
+    assert "pip install 'shardpoint[demo]'" in caplog.text

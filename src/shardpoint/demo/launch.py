@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         phases, problems = run_demo(settings, console, show_progress=show)
     wall = time.perf_counter() - started
-    plot = os.path.join(settings.output, "loss.png")
+    written = os.path.join(settings.output, "loss.png")
+    plot = written if os.path.exists(written) else None  # none without matplotlib (plot_losses says so)
     if args.json:
         print(
             summary_json(
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         for problem in problems:
             console.print(f"[red]✗ {problem}[/red]")
         console.print(
-            f"checkpoints under {settings.directory}, logs under {settings.output}, loss curves in {plot}; "
+            f"checkpoints under {settings.directory}, logs under {settings.output}, "
+            f"{f'loss curves in {plot}' if plot else 'no plot (no matplotlib)'}; "
             f"finished in {wall:.1f} s"
         )
     return 1 if problems else 0

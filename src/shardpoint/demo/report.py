@@ -10,6 +10,7 @@ different shards (and reductions round differently).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -161,8 +162,18 @@ def _phase_json(phase: PhaseReport) -> dict[str, Any]:
 
 
 def plot_losses(phases: Sequence[PhaseReport], reference: Mapping[int, float], path: str) -> None:
-    """Write the uninterrupted, resumed and resharded loss curves to ``path`` (PNG)."""
-    import matplotlib
+    """Write the uninterrupted, resumed and resharded loss curves to ``path`` (PNG).
+
+    Without matplotlib (the ``demo`` extra) no plot is drawn: the table says everything the
+    demo checks, and a warning names the extra that adds the plot.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger(__name__).warning(
+            "matplotlib is not installed, so no %s; pip install 'shardpoint[demo]' adds the plot", path
+        )
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
