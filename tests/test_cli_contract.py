@@ -11,6 +11,8 @@ process (``main``) on a one-process checkpoint, so each test takes well under a 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from safetensors.torch import save_file
 
 import shardpoint as sp
 from shardpoint.cli import main
+from shardpoint.foreign.hf_files import write_hf_dir
 
 FOREIGN = Path(__file__).parent / "fixtures" / "foreign"
 
@@ -169,3 +172,16 @@ def test_demo_without_matplotlib_skips_the_plot_and_names_the_extra(tmp_path, mo
     plot_losses([], {1: 1.0, 2: 0.5}, str(tmp_path / "loss.png"))
     assert not (tmp_path / "loss.png").exists()
     assert "pip install 'shardpoint[demo]'" in caplog.text
+
+
+def test_exported_safetensors_get_the_permissions_the_umask_gives(run_dir, tmp_path, capsys):
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "out" / "model.safetensors"
+        assert _cli(capsys, "export", run_dir, "--to", "safetensors", out)[0] == 0
+        hf = tmp_path / "hf"
+        write_hf_dir(hf, {"config": 1}, {"w": torch.zeros(2)})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644  # safetensors alone writes 0600
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in hf.iterdir())

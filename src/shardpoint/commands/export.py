@@ -46,6 +46,7 @@ from shardpoint.commands.inspect import read_common
 from shardpoint.errors import CheckpointError
 from shardpoint.state.train_state import MODEL_PREFIX
 from shardpoint.storage.base import open_storage
+from shardpoint.storage.permissions import as_umask_allows
 
 if TYPE_CHECKING:
     from shardpoint.foreign import ForeignCheckpoint
@@ -246,6 +247,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str, metadata: M
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         save_file(flat, tmp, metadata=dict(metadata))
+        as_umask_allows(tmp)  # safetensors writes 0600; an exported model is for others to read
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -35,6 +35,7 @@ import torch
 
 from shardpoint.catalog.untrusted_json import check_member_name, read_json_object
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
+from shardpoint.storage.permissions import as_umask_allows
 
 __all__ = ["CONFIG", "INDEX", "WEIGHTS", "parse_size", "read_hf_dir", "write_hf_dir"]
 
@@ -117,6 +118,7 @@ def write_hf_dir(
         for name, payload in payloads.items():
             if name.endswith(".safetensors"):
                 save_file(payload, tmp[name], metadata={"format": "pt"})
+                as_umask_allows(tmp[name])  # safetensors writes 0600; a model directory is for others to read
             else:
                 with open(tmp[name], "w") as f:
                     json.dump(payload, f, indent=2)
