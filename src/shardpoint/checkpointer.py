@@ -57,9 +57,11 @@ class Checkpointer:
     """Save and load model-parallel training state with Megatron's semantics.
 
     Args:
-        path: the save directory: a local path, or ``s3://bucket/prefix`` (endpoint and
-            credentials from the standard AWS environment, e.g. ``AWS_ENDPOINT_URL``).
-        topology: this process's place in the tp × pp × dp layout (default: all 1).
+        path: the save directory: a local path, or an object-store prefix ``s3://bucket/prefix``,
+            ``gs://bucket/prefix`` or ``az://container/prefix`` (credentials and endpoints from each
+            store's standard environment, e.g. ``AWS_ENDPOINT_URL``).
+        topology: this process's place in the tp × pp × dp layout (default:
+            ``Topology(1, 1, world_size)``, every rank a data-parallel replica).
         format: ``"dist"`` (sharded, reshardable, default) or ``"torch"`` (Megatron legacy).
         layout: ``"megatron"`` (``iter_0000100/``) or ``"neox"`` (``global_step100/``).
         save_interval: ``maybe_save`` saves when ``iteration % save_interval == 0``.
@@ -78,9 +80,10 @@ class Checkpointer:
         verify: check file checksums on load (sizes are always checked).
         thread_count: writer and reader threads per rank for the ``dist`` format
             (default: twice the cores, at most 4; I/O waits on the disk more than on the CPU).
-        upload_to: local-first mode: after each local commit, copy the checkpoint to
-            this ``s3://`` prefix in the background and move the remote tracker when the
-            upload is complete (see :mod:`shardpoint.lifecycle.upload`).
+        upload_to: local-first mode: after each local commit, copy the checkpoint to this
+            ``s3://``, ``gs://`` or ``az://`` prefix (or a shared local directory) in the background
+            and move the remote tracker when the upload is complete (see
+            :mod:`shardpoint.lifecycle.upload`).
         node_local: whether ``path`` is a different, unshared directory on each node
             (with ``upload_to``); None finds out with a probe file at construction
             (see :mod:`shardpoint.lifecycle.node_local`).
