@@ -185,3 +185,14 @@ def test_exported_safetensors_get_the_permissions_the_umask_gives(run_dir, tmp_p
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o644  # safetensors alone writes 0600
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in hf.iterdir())
+
+
+@pytest.mark.parametrize(("integration", "framework"), [("transformers", "transformers"), ("torchtitan", "torchtitan")])
+def test_an_integration_without_its_framework_names_its_extra(integration, framework, monkeypatch):
+    import importlib
+
+    monkeypatch.delitem(sys.modules, f"shardpoint.integrations.{integration}", raising=False)
+    monkeypatch.setitem(sys.modules, framework, None)  # as if the framework were not installed
+    with pytest.raises(ModuleNotFoundError, match=rf"pip install 'shardpoint\[{integration}\]'") as info:
+        importlib.import_module(f"shardpoint.integrations.{integration}")
+    assert isinstance(info.value, sp.CheckpointError) and info.value.name == framework

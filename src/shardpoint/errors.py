@@ -15,6 +15,7 @@ __all__ = [
     "ConcurrentSaveError",
     "ConfigMismatchError",
     "CorruptCheckpointError",
+    "FrameworkMissingError",
     "MissingKeysError",
     "NotACheckpointError",
     "ShapeMismatchError",
@@ -137,6 +138,13 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
     Also a ``FileNotFoundError``: that is what Lightning raises for a missing
     ``ckpt_path``, and what users' code catches.
+    """
+
+
+class FrameworkMissingError(CheckpointError, ModuleNotFoundError):
+    """An integration was imported without its framework; the message names the extra that installs it.
+
+    Also a ``ModuleNotFoundError`` (what code that probes for optional imports catches).
     """
 
 

@@ -79,16 +79,22 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpointer.base import (
-    DATALOADER,
-    LR_SCHEDULER,
-    MODEL,
-    OPTIMIZER,
-    BaseCheckpointManager,
-    ModelWrapper,
-)
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.tools import filesystem
+
+from shardpoint.integrations import missing_framework
+
+try:
+    from torchtitan.components.checkpointer.base import (
+        DATALOADER,
+        LR_SCHEDULER,
+        MODEL,
+        OPTIMIZER,
+        BaseCheckpointManager,
+        ModelWrapper,
+    )
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.tools import filesystem
+except ModuleNotFoundError as exc:
+    raise missing_framework(exc, "torchtitan", "torchtitan") from exc
 
 from shardpoint.catalog.layout import get_layout
 from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata, FileRecord

@@ -63,9 +63,14 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import Trainer
-from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
+from shardpoint.integrations import missing_framework
+
+try:
+    from transformers import Trainer
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
+except ModuleNotFoundError as exc:
+    raise missing_framework(exc, "transformers", "transformers") from exc
 
 from shardpoint.catalog.layout import get_layout
 from shardpoint.checkpointer import Checkpointer
