@@ -41,3 +41,23 @@ def test_from_groups_and_world_size_check():
     assert [r[:3] for r in results] == [(2, 2, 1)] * 4
     assert [r[3:5] for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert results[3][5] == "mp_rank_01_001"
+
+
+def _inferred(rank: int, world: int) -> list:
+    import shardpoint as sp
+
+    out = [sp.Topology().dp_size, sp.Topology(tp_size=2).dp_size, sp.Topology(pp_size=2, tp_size=1).dp_size]
+    try:
+        sp.Topology(tp_size=3)
+    except sp.TopologyMismatchError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_dp_size_is_inferred_from_the_world_as_megatron_computes_it():
+    """Issue 57 item 5: on 2 ranks, Topology(tp_size=2) has dp 1, Topology() dp 2; a tp x pp not dividing is named."""
+    from tests.distributed import launch
+
+    for got in launch(_inferred, 2):
+        assert got[:3] == [2, 1, 1]
+        assert "does not divide the 2 ranks" in got[3] and "dp_size" in got[3]

@@ -38,7 +38,9 @@ class Topology:
     Args:
         tp_size: tensor-parallel size.
         pp_size: pipeline-parallel size.
-        dp_size: data-parallel size (of the dense layers; context parallel included).
+        dp_size: data-parallel size (of the dense layers; context parallel included). Omitted,
+            it is the world size over tp × pp when a process group exists (as Megatron
+            computes it), else 1.
         rank: this process's global rank; defaults to the initialised process
             group's rank, or 0 without one.
         ep_size: expert-parallel size: the experts of a layer are split over ep ranks.
@@ -56,7 +58,7 @@ class Topology:
 
     tp_size: int = 1
     pp_size: int = 1
-    dp_size: int = 1
+    dp_size: int = None  # type: ignore[assignment]  # None: inferred in __post_init__ (always an int after it)
     rank: int | None = None
     ep_size: int = 1
     etp_size: int | None = None
@@ -65,6 +67,8 @@ class Topology:
     def __post_init__(self) -> None:
         if self.etp_size is None:
             object.__setattr__(self, "etp_size", self.tp_size)  # Megatron's default
+        if self.dp_size is None:
+            object.__setattr__(self, "dp_size", _inferred_dp(self.tp_size, self.pp_size))
         for name in ("tp_size", "pp_size", "dp_size", "ep_size", "etp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -325,3 +329,22 @@ def mp_rank_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _inferred_dp(tp_size: Any, pp_size: Any) -> int:
+    """dp as Megatron computes it: the world size over tp × pp (1 without a process group).
+
+    Raises:
+        TopologyMismatchError: tp × pp does not divide the world size.
+    """
+    if not _initialized():
+        return 1
+    world = dist.get_world_size()
+    if not isinstance(tp_size, int) or not isinstance(pp_size, int) or tp_size < 1 or pp_size < 1:
+        return 1  # the size checks below name the bad value
+    if world % (tp_size * pp_size):
+        raise TopologyMismatchError(
+            f"tp={tp_size} x pp={pp_size} does not divide the {world} ranks of the process group, so dp cannot "
+            "be inferred; choose tp and pp whose product divides the world size, or give dp_size"
+        )
+    return world // (tp_size * pp_size)
