@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -145,8 +146,9 @@ def test_other_tools_checkpoints_are_named_with_what_to_run(fixture, tool, run_d
         path.mkdir()
         (path / "config.json").write_text('{"model_type": "gpt2"}')
         save_file({"w": torch.zeros(2)}, str(path / "model.safetensors"))
-    else:
-        path = FOREIGN / fixture / "ckpt"
+    else:  # a copy: prune may take its writer lock there, which other tests reading the fixture must not see
+        path = tmp_path / fixture
+        shutil.copytree(FOREIGN / fixture / "ckpt", path)
     before = sorted(p.name for p in path.rglob("*"))
     for argv in (("verify", path), ("diff", path, run_dir), ("prune", path, "--keep-last", 1)):
         code, _, err = _cli(capsys, *argv)
@@ -192,7 +194,8 @@ def test_an_integration_without_its_framework_names_its_extra(integration, frame
     import importlib
 
     monkeypatch.delitem(sys.modules, f"shardpoint.integrations.{integration}", raising=False)
-    monkeypatch.setitem(sys.modules, framework, None)  # as if the framework were not installed
+    for name in [framework, *(m for m in sys.modules if m.startswith(framework + "."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if the framework were not installed (submodules too)
     with pytest.raises(ModuleNotFoundError, match=rf"pip install 'shardpoint\[{integration}\]'") as info:
         importlib.import_module(f"shardpoint.integrations.{integration}")
     assert isinstance(info.value, sp.CheckpointError) and info.value.name == framework
