@@ -192,6 +192,12 @@ def build_sources(base: Path) -> list[Source]:
         source = Source(f"layout-{layout}", base / f"layout-{layout}", _shardpoint_readers(sp, "dist"))
         _build_run(sp, source.root / "run", "dist", layout=layout)
         sources.append(source)
+    from shardpoint.catalog.layout import named
+
+    lightning = {"layout": named("last.ckpt")}  # the folder ShardpointCheckpointIO writes for ModelCheckpoint
+    source = Source("layout-lightning", base / "layout-lightning", _shardpoint_readers(sp, "dist", lightning))
+    _build_run(sp, source.root / "run", "dist", **lightning)
+    sources.append(source)
     tier = Source("local-tier", base / "local-tier", _shardpoint_readers(sp, "dist", LOCAL_TIER)[:3])
     _build_run(sp, tier.root / "run", "dist", local_dir=str(tier.root / "local"), **LOCAL_TIER)
     sources.append(tier)
@@ -560,6 +566,8 @@ def run(examples: int, report: Path, headroom: int = 1 << 30) -> dict[str, Any]:
             problems = []
             if outcome == "escaped":
                 problems.append(detail)
+            if mutant == "pristine" and reader_name.startswith("load") and outcome != "ok":
+                problems.append(f"the pristine source does not load: {detail}")  # else every mutant is moot
             if newest_marker_only and reader_name == "load-fallback" and outcome != "ok":
                 # only the newest checkpoint's marker changed: iteration 1 is intact and fallback must reach it
                 problems.append(f"load(fallback=True) did not fall back past a damaged newest marker: {detail}")
