@@ -96,3 +96,15 @@ def test_stand_ins_never_import_the_tools_and_write_back_under_their_names(tmp_p
     save_foreign(state, tmp_path / "again.pt")
     again = load_foreign(tmp_path / "again.pt")
     assert vars(again["args"]) == vars(state["args"])
+
+
+def test_a_megatron_checkpoint_is_recognised_whatever_this_process_registered_as_safe():
+    """megatron-core registers argparse.Namespace with torch's safe globals when imported; detection must not care."""
+    import argparse
+
+    from shardpoint.foreign.importer import find_foreign
+
+    ckpt = FIXTURES / "megatron-legacy-tp1/ckpt"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        assert find_foreign(ckpt) == str(ckpt / "iter_0000002")
+        assert argparse.Namespace in torch.serialization.get_safe_globals()  # the registry is left as it was

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -139,10 +140,30 @@ def _holds_megatron_args(directory: str) -> bool:
     """
     files = sorted(os.path.join(directory, n, MODEL_FILE) for n in os.listdir(directory) if n.startswith("mp_rank_"))
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(next(f for f in files if os.path.exists(f)))
+        names = _globals_in(next(f for f in files if os.path.exists(f)))
     except (OSError, *PICKLE_DAMAGE):
         return True  # unreadable: the reader names the damage
     return "argparse.Namespace" in names
+
+
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
+def _globals_in(path: str) -> list[str]:
+    """Every global the pickle in ``path`` names, whatever this process registered as safe.
+
+    torch lists only globals not registered with ``add_safe_globals``, and megatron-core
+    registers ``argparse.Namespace`` when it is imported: without clearing the registry
+    for the scan, a Megatron checkpoint would no longer look like one once Megatron is
+    imported (the Megatron integration's own process).
+    """
+    with _SAFE_GLOBALS_LOCK:
+        registered = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        try:
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        finally:
+            torch.serialization.add_safe_globals(registered)
 
 
 def detect(directory: str, strict: bool = True) -> str | None:
