@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
+import pickletools
+import zipfile
 from typing import Any
 
 import torch
@@ -146,24 +147,33 @@ def _holds_megatron_args(directory: str) -> bool:
     return "argparse.Namespace" in names
 
 
-_SAFE_GLOBALS_LOCK = threading.Lock()
-
-
 def _globals_in(path: str) -> list[str]:
-    """Every global the pickle in ``path`` names, whatever this process registered as safe.
+    """Every global (``module.name``) the pickle of the ``torch.save`` archive ``path`` names; nothing is built.
 
-    torch lists only globals not registered with ``add_safe_globals``, and megatron-core
-    registers ``argparse.Namespace`` when it is imported: without clearing the registry
-    for the scan, a Megatron checkpoint would no longer look like one once Megatron is
-    imported (the Megatron integration's own process).
+    Read from the pickle's opcodes, not through ``torch.serialization``: torch lists only
+    globals not registered with ``add_safe_globals``, and megatron-core registers
+    ``argparse.Namespace`` when it is imported, so once Megatron was imported in a process
+    its checkpoints would no longer look like Megatron's.
     """
-    with _SAFE_GLOBALS_LOCK:
-        registered = torch.serialization.get_safe_globals()
-        torch.serialization.clear_safe_globals()
-        try:
-            return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-        finally:
-            torch.serialization.add_safe_globals(registered)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pkl = next((n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")), None)
+            if pkl is None:
+                raise ValueError(f"{path} holds no data.pkl")
+            data = archive.read(pkl)
+    except zipfile.BadZipFile:
+        # shardpoint's own torch format writes no CRC-32 (zipfile refuses it); torch's scan reads it, and
+        # Megatron's files, written by plain torch.save, always carry theirs
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    names, strings = [], []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            names.append(str(arg).replace(" ", "."))
+        elif isinstance(arg, str):
+            strings.append(arg)
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            names.append(f"{strings[-2]}.{strings[-1]}")
+    return names
 
 
 def detect(directory: str, strict: bool = True) -> str | None:
