@@ -33,7 +33,6 @@ import fsspec
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -68,6 +67,7 @@ from shardpoint.formats.base import (
     write_torch_file,
 )
 from shardpoint.formats.batched_writes import write_plan
+from shardpoint.formats.dcp_errors import dcp_errors
 from shardpoint.formats.dcp_metadata import DCP_METADATA, SafeMetadata, share_outline
 from shardpoint.formats.dcp_read import StreamingReads
 from shardpoint.formats.dist_replay import fingerprint_of, shard_spec
@@ -92,7 +92,6 @@ __all__ = [
     "SafeFileSystemReader",
     "ShardLoadPlanner",
     "ShardSavePlanner",
-    "dcp_errors",
     "dcp_reader",
     "dcp_writer",
 ]
@@ -523,33 +522,6 @@ class DistFormat:
             return None
         name = rng_file(ctx.topology.rank)
         return read_torch_file(ctx.storage, ctx.storage.join(ctx.directory, name)) if name in meta.files else None
-
-
-@contextmanager
-def dcp_errors(directory: str, loading: bool = False) -> Iterator[None]:
-    """Unwrap DCP's CheckpointException (a BaseException carrying every rank's traceback).
-
-    DCP raises it on every rank, so re-raising here keeps all ranks in step. The first
-    failing rank's own exception is re-raised, so the Checkpointer can tell a full
-    disk from a bug; on load, errors that are not ours become a CorruptCheckpointError
-    naming the directory.
-    """
-    try:
-        yield
-    except CheckpointException as exc:
-        failures = sorted(exc.failures.items(), key=lambda item: item[0])
-        first_rank, (error, _) = failures[0]
-        _reraise(error, directory, loading, first_rank)
-    except Exception as exc:  # noqa: BLE001 - single-rank DCP calls (no_dist) raise the error itself
-        _reraise(exc, directory, loading, comm.rank())
-
-
-def _reraise(error: BaseException, directory: str, loading: bool, rank: int) -> None:
-    if not loading or isinstance(error, (CheckpointError, OSError)):
-        raise error from None
-    raise CorruptCheckpointError(
-        f"cannot read {directory} (rank {rank}: {type(error).__name__}: {error}); a file is damaged"
-    ) from None
 
 
 def _read_items(reader: Any, metadata: Metadata, present: dict[str, Shard], exchange: Any, where: str) -> None:

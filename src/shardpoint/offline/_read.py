@@ -17,7 +17,8 @@ from shardpoint.catalog.integrity import verify_files
 from shardpoint.catalog.metadata import CheckpointMetadata, listed_record
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.formats.base import read_torch_file
-from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_errors, dcp_reader
+from shardpoint.formats.dcp_errors import dcp_errors
+from shardpoint.formats.dist import COMMON_FILE, ShardLoadPlanner, dcp_reader
 from shardpoint.formats.torch_format import MAIN_FILE, dp_files, read_pieces
 from shardpoint.offline._common import (
     Box,
