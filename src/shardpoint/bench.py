@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardpoint.commands import bench_dirs
+from shardpoint.commands.bench_help import BENCH_EXAMPLES
 from shardpoint.commands.bench_states import (
     SHAPE_PRESETS,
     is_expert_key,
@@ -343,16 +344,6 @@ def _launch(world: int, config: dict[str, Any], root: str, phase: str) -> list[d
     mp.start_processes(_worker, args=(world, port, config, root, phase, out), nprocs=world, start_method="spawn")
     with open(out) as f:
         return json.load(f)
-
-
-BENCH_EXAMPLES = """examples:
-  shardpoint bench                                # 256 MB on 2 ranks, /dev/shm and the current directory
-  shardpoint bench --size 2GB --ranks 4 --dir /mnt/nvme
-  shardpoint bench --shapes many-small --ranks 1  # 10,000 small tensors against torch.save/torch.load
-  shardpoint bench --scale 2,4,8                  # coordination cost against plain DCP
-  shardpoint bench --frozen-base                  # a LoRA-like fine-tune, frozen base stored once or not
-  shardpoint bench --store s3 --json              # S3 clients on a loopback server
-"""
 
 
 def add_parser(subparsers: Any) -> None:
