@@ -108,3 +108,14 @@ def test_a_megatron_checkpoint_is_recognised_whatever_this_process_registered_as
     with torch.serialization.safe_globals([argparse.Namespace]):
         assert find_foreign(ckpt) == str(ckpt / "iter_0000002")
         assert argparse.Namespace in torch.serialization.get_safe_globals()  # the registry is left as it was
+
+
+def test_a_real_enum_registered_by_megatron_still_reads_as_the_stand_in(tmp_path):
+    """megatron-core registers its AttnBackend as safe; torch's registry is a set, so which one is built is chance."""
+    enums = pytest.importorskip("megatron.core.transformer.enums")
+    path = FIXTURES / "megatron-legacy-tp1/ckpt/iter_0000002/mp_rank_00/model_optim_rng.pt"
+    with torch.serialization.safe_globals([enums.AttnBackend, enums.ModelType]):
+        state = load_foreign(path)
+    assert repr(state["args"].attention_backend) == "megatron.core.transformer.enums.AttnBackend(5)"
+    save_foreign(state, tmp_path / "again.pt")
+    assert vars(load_foreign(tmp_path / "again.pt")["args"]) == vars(state["args"])

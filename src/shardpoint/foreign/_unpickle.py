@@ -28,6 +28,7 @@ Writing: :func:`save_foreign` pickles stand-ins back under their original names
 from __future__ import annotations
 
 import argparse
+import enum
 import io
 import logging
 import os
@@ -238,11 +239,45 @@ def load_foreign(source: str | os.PathLike[str] | bytes, name: str | None = None
         if isinstance(opened, io.BytesIO):
             opened.seek(0)
         try:
-            return torch.load(opened, map_location="cpu", weights_only=True)
+            loaded = torch.load(opened, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(f"{where}: refused by the weights-only unpickler ({_last_line(exc)})") from None
         except (*PICKLE_DAMAGE, OSError) as exc:
             raise CorruptCheckpointError(f"{where} cannot be read ({_last_line(exc)}); the file is damaged") from None
+    return _as_stand_ins(loaded) if _real_classes_registered() else loaded
+
+
+def _real_classes_registered() -> bool:
+    """Whether this process registered a real class under one of our stand-ins' names.
+
+    megatron-core, once imported, registers its own ``AttnBackend`` and ``ModelType`` with
+    torch's safe globals. torch keeps the registry as a set, so which of two entries for
+    one name the unpickler uses is chance: without this, a read would give Megatron's enum
+    in one process and our stand-in in another, and writing it back would differ.
+    """
+    for entry in torch.serialization.get_safe_globals():
+        obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
+        if name in STAND_INS and obj is not STAND_INS[name]:
+            return True
+    return False
+
+
+def _as_stand_ins(obj: Any) -> Any:
+    """``obj`` with every member of a registered real enum replaced by its stand-in (tensors untouched)."""
+    if isinstance(obj, enum.Enum):
+        stand_in = STAND_INS.get(f"{type(obj).__module__}.{type(obj).__qualname__}")
+        return stand_in(obj.value) if stand_in is not None else obj
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = _as_stand_ins(value)
+    elif isinstance(obj, argparse.Namespace):
+        for key, value in vars(obj).items():
+            setattr(obj, key, _as_stand_ins(value))
+    elif isinstance(obj, list):
+        obj[:] = [_as_stand_ins(v) for v in obj]
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_as_stand_ins(v) for v in obj)
+    return obj
 
 
 def _last_line(exc: BaseException) -> str:
