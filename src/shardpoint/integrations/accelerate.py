@@ -75,6 +75,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from shardpoint.integrations import missing_framework
+
+try:
+    import accelerate  # noqa: F401  (only duck-typed here, but without it there is no Accelerator to pass)
+except ModuleNotFoundError as exc:
+    raise missing_framework(exc, "accelerate", "accelerate") from exc
+
 from shardpoint.catalog.layout import get_layout
 from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.checkpointer import Checkpointer

@@ -94,15 +94,21 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.pytorch.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-    Strategy,
-)
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+
+from shardpoint.integrations import missing_framework
+
+try:
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+        Strategy,
+    )
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+except ModuleNotFoundError as exc:
+    raise missing_framework(exc, "lightning", "lightning") from exc
 
 from shardpoint.catalog.layout import named
 from shardpoint.catalog.metadata import MARKER_NAME

@@ -16,7 +16,13 @@ import os
 from typing import Any
 
 import torch
-from lightning.pytorch.core import saving
+
+from shardpoint.integrations import missing_framework
+
+try:
+    from lightning.pytorch.core import saving
+except ModuleNotFoundError as exc:
+    raise missing_framework(exc, "lightning_load", "lightning") from exc
 
 from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.errors import CheckpointNotFoundError

@@ -52,8 +52,8 @@ copies of what it overwrites (up to the bytes received in place, on the host, ne
 the device: a staging copy of the whole state would double the device memory the state
 takes, which a model that fills its accelerator does not have).
 
-Install torchft (``pip install torchft``) to use it; this module imports it lazily,
-only to subclass its ``CheckpointTransport``.
+Install torchft (``pip install 'shardpoint[torchft]'``) to use it; without it, importing
+this module raises :class:`~shardpoint.errors.FrameworkMissingError` naming that extra.
 """
 
 from __future__ import annotations
@@ -70,12 +70,13 @@ import torch
 import xxhash
 
 from shardpoint.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError
+from shardpoint.integrations import missing_framework
 from shardpoint.storage.safe_io import load_plain_pickle
 
 try:
     from torchft.checkpointing.transport import CheckpointTransport
-except ImportError:  # pragma: no cover - torchft is optional
-    CheckpointTransport = object  # type: ignore[assignment,misc]
+except ModuleNotFoundError as exc:
+    raise missing_framework(exc, "torchft", "torchft") from exc
 
 __all__ = ["ShardpointTransport", "recovered_from", "resume"]
 
