@@ -202,3 +202,131 @@ def reshard_load(rank: int, world: int, directory: str, stage: int) -> dict[str,
         "step": int(next(iter(eng.optimizer.optimizer.state.values()))["step"]),
         "global_steps": eng.global_steps,
     }
+
+
+# ------------------------------------------------------------------ async, upload, retention, preemption
+
+
+def _latest(directory: str) -> str | None:
+    path = Path(directory) / "latest"
+    return path.read_text() if path.exists() else None
+
+
+def engine_in_background(rank: int, world: int, directory: str, stock_dir: str, remote: str) -> dict[str, Any]:
+    """Engine mode with async_save, keep_last=2 and upload_to: saves at steps 2, 4 and 6 (ZeRO-2).
+
+    The write of global_step4 starts 1 s late on every rank, so ``latest`` is seen on
+    global_step2 after ``save_checkpoint`` returned and after step 5 trained, and on
+    global_step4 only after the commit; step 5 changed the weights meanwhile, so the files
+    hold step 4 only if the save wrote a copy. DeepSpeed's own engine saves the same step-4
+    state into ``stock_dir`` first.
+    """
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from shardpoint.integrations.deepspeed import use
+
+    eng = engine(2)
+    ours = use(eng, async_save=True, keep_last=2, upload_to=remote)
+    seen: dict[str, Any] = {"stalls": []}
+    train(eng, 2)
+    eng.save_checkpoint(directory, tag="global_step2", client_state={"iteration": 2})
+    train(eng, 2, 2)
+    eng.checkpoint_engine = TorchCheckpointEngine(eng._config)  # DeepSpeed's own engine, the same state
+    eng.save_checkpoint(stock_dir, tag="global_step4", client_state={"iteration": 4})
+    eng.checkpoint_engine = ours
+    os.environ["SHARDPOINT_FAULT"] = "point=before-data,action=stall,seconds=1"
+    eng.save_checkpoint(directory, tag="global_step4", client_state={"iteration": 4})
+    seen["stall"] = ours.last_stall_seconds
+    seen["latest_after_return"] = _latest(directory)
+    train(eng, 1, 4)  # DeepSpeed asks for the commit at this step: not every rank has written yet
+    seen["latest_after_step"] = _latest(directory)
+    ours.wait()  # every rank: the write is done, then committed
+    seen["latest_after_commit"] = _latest(directory)
+    del os.environ["SHARDPOINT_FAULT"]
+    train(eng, 1, 5)
+    eng.save_checkpoint(directory, tag="global_step6", client_state={"iteration": 6})
+    ours.cleanup()  # what engine.destroy() calls: the last save committed and uploaded
+    seen["latest_at_end"] = _latest(directory)
+    return seen
+
+
+def train_noisy(eng: Any, steps: int, start: int = 0) -> list[float]:
+    """:func:`train` with noise from the global torch RNG, seeded per rank: a resume must restore each rank's RNG."""
+    losses = []
+    rank = torch.distributed.get_rank()
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(2, 6, generator=gen) + 0.1 * torch.randn(2, 6)
+        loss = eng(x).pow(2).mean()
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def preempted(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """An uninterrupted run of 6 steps, then the same run where rank 1 gets SIGTERM during step 3 (reshardable mode)."""
+    import signal
+
+    from shardpoint.integrations.deepspeed import SaveOnPreemption
+
+    first = engine(2)
+    torch.manual_seed(100 + rank)  # after the engine: model() seeds every rank alike
+    uninterrupted = train_noisy(first, 6)
+    eng = engine(2)
+    torch.manual_seed(100 + rank)
+    stopped = None
+    with SaveOnPreemption(eng, directory, client_state=lambda: {"iteration": eng.global_steps}, reshardable=True) as p:
+        for step in range(6):
+            train_noisy(eng, 1, step)
+            if step == 2 and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would; rank 0 is not signalled
+            if p.check():
+                stopped = step + 1
+                break
+    return {"uninterrupted": uninterrupted, "stopped": stopped, "latest": _latest(directory)}
+
+
+def resume_preempted(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A fresh job (other seed, other RNG) resumes the preempted run and trains to step 6."""
+    from shardpoint.integrations.deepspeed import load_checkpoint
+
+    eng = engine(2, seed=1)
+    torch.manual_seed(7)
+    _, client = load_checkpoint(eng, directory)
+    done = client["iteration"]
+    return {"iteration": done, "losses": train_noisy(eng, 6 - done, done)}
+
+
+def async_save_killed(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Engine mode, async: global_step2 committed; rank 1 is SIGKILLed writing global_step4 in the background."""
+    from shardpoint.integrations.deepspeed import use
+
+    eng = engine(2)
+    ours = use(eng, async_save=True)
+    train(eng, 2)
+    eng.save_checkpoint(directory, tag="global_step2", client_state={"iteration": 2})
+    ours.wait()
+    torch.save(params(eng), f"{directory}/expected_{rank}.pt")
+    train(eng, 2, 2)
+    # rank 1 starts writing 1 s late, then dies: rank 0 asks for the commit meanwhile
+    os.environ["SHARDPOINT_FAULT"] = "point=before-data,rank=1,action=stall,seconds=1;point=mid-data,rank=1,action=kill"
+    eng.save_checkpoint(directory, tag="global_step4", client_state={"iteration": 4})
+    train(eng, 2, 4)  # rank 0: the commit's gather finds rank 1 gone
+    ours.wait()
+    return {}
+
+
+def in_background_then_preempted(
+    rank: int, world: int, directory: str, stock_dir: str, remote: str, preempted_dir: str
+) -> dict[str, Any]:
+    """:func:`engine_in_background`, then :func:`preempted`, in one launch."""
+    return {
+        "background": engine_in_background(rank, world, directory, stock_dir, remote),
+        "preempted": preempted(rank, world, preempted_dir),
+    }
+
+
+def resume_all(rank: int, world: int, preempted_dir: str, killed_dir: str) -> dict[str, Any]:
+    """One launch for both restarts: the preempted run (reshardable) and the one killed mid async save (engine mode)."""
+    return {"preempted": resume_preempted(rank, world, preempted_dir), "killed": load_ours(rank, world, killed_dir, 2)}

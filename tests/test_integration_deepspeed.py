@@ -21,11 +21,14 @@ import torch
 from tests.distributed import launch
 from tests.integration_deepspeed_worker import (
     ENV,
+    async_save_killed,
+    in_background_then_preempted,
     load_ours,
     load_ours_each,
     load_stock,
     reshard_load,
     reshard_save,
+    resume_all,
     save_both_ways,
     save_then_killed,
     tag_files,
@@ -182,3 +185,69 @@ def test_engine_mode_load_runs_no_code_from_a_crafted_file(tmp_path):
     torch.save({"module": {}, "payload": _RunsCode()}, crafted)
     with pytest.raises(UnsafeCheckpointError, match="system"):
         load_restricted(str(crafted), str(crafted))
+
+
+# ------------------------------------------------------------------ async, upload_to, retention, preemption
+
+
+@pytest.fixture(scope="module")
+def backgrounds(tmp_path_factory, request):
+    """One launch: engine mode with async_save + keep_last=2 + upload_to (S3, moto); then a run preempted by SIGTERM."""
+    s3 = request.getfixturevalue("s3_server")
+    remote = s3.make_bucket("deepspeed-engine-upload") + "/run"
+    root = tmp_path_factory.mktemp("ds-background")
+    directory, stock, stopped = root / "run", root / "stock", root / "preempted"
+    env = {**ENV, **s3.env}
+    args = (str(directory), str(stock), remote, str(stopped))
+    results = launch(in_background_then_preempted, 2, *args, env=env, backend="gloo")
+    return directory, stock, remote, [r["background"] for r in results], stopped, [r["preempted"] for r in results]
+
+
+def test_engine_mode_async_commits_when_written_keeps_last_and_uploads(backgrounds):
+    directory, stock, remote, seen, *_ = backgrounds
+    for rank in seen:
+        # save_checkpoint returned (and a step trained) with global_step4 still being written:
+        # latest moved only at its commit
+        assert rank["latest_after_return"] == rank["latest_after_step"] == "global_step2"
+        assert rank["latest_after_commit"] == "global_step4"
+        assert rank["latest_at_end"] == "global_step6"
+    # the files written after step 5 trained hold step 4, as DeepSpeed's own engine wrote it, byte for byte
+    theirs, mine = tag_files(stock / "global_step4"), tag_files(directory / "global_step4")
+    assert set(mine) == set(theirs) | {"shardpoint.json"}
+    for name, data in theirs.items():
+        assert mine[name] == data, f"{name} written async differs from DeepSpeed's own engine's"
+    # keep_last=2 here and at upload_to; nothing staged is left behind
+    tags = sorted(p.name for p in directory.iterdir() if p.is_dir())
+    assert tags == ["global_step4", "global_step6"], tags
+    from shardpoint.storage.base import open_storage
+
+    store = open_storage(remote)
+    names = sorted(store.listdir(store.root))
+    assert [n for n in names if n.startswith("global_step")] == ["global_step4", "global_step6"], names
+    assert not [n for n in names if n.startswith(".shardpoint-tmp")], names
+    assert store.read_bytes(store.join(store.root, "latest")) == b"global_step6"
+    for name, data in tag_files(directory / "global_step6").items():
+        assert store.read_bytes(store.join(store.root, "global_step6", name)) == data, name
+
+
+def test_engine_mode_sigkill_during_async_save_leaves_latest_on_previous_tag(tmp_path, backgrounds):
+    *_, stopped, stopped_run = backgrounds
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    codes = launch(async_save_killed, 2, str(killed), env=ENV, backend="gloo", expect_failure=True, timeout=90)
+    assert codes[1] == -9 and codes[0] != 0, codes
+    assert (killed / "latest").read_text() == "global_step2"
+    assert not (killed / "global_step4").exists()
+    # one launch restarts both: this run (engine mode) and the preempted one (reshardable mode)
+    expected = torch.load(killed / "expected_0.pt")
+    for rank, result in enumerate(launch(resume_all, 2, str(stopped), str(killed), env=ENV, backend="gloo")):
+        loaded = result["killed"]
+        assert "error" not in loaded, loaded.get("error")
+        assert loaded["iteration"] == 2
+        _same(loaded["params"], expected)
+        # SIGTERM reached rank 1 only, during step 3: every rank saved step 3 and stopped; the restart's
+        # losses for steps 4-6 are the uninterrupted run's, bit for bit (each rank's RNG restored)
+        run = stopped_run[rank]
+        assert run["stopped"] == 3 and run["latest"] == "global_step3"
+        assert result["preempted"]["iteration"] == 3
+        assert result["preempted"]["losses"] == run["uninterrupted"][3:]

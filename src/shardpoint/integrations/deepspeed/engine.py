@@ -23,6 +23,12 @@ after ``commit`` DeepSpeed's rank 0 rewrites ``latest`` with a plain ``open(.., 
 which a kill at that moment leaves empty. The wrapper passes ``save_latest=False`` to
 DeepSpeed and has the commit replace ``latest`` atomically itself.
 
+Options beyond DeepSpeed's own (:class:`EngineOptions`, :mod:`.pending`): ``async_save``
+(the state copied in memory, written on a thread, committed at a later optimizer step
+once every rank's files are written: DeepSpeed's decoupled checkpointing),
+``upload_to`` (each committed tag copied to an object store in the background) and
+``keep_last`` (GPT-NeoX's ``keep_last_n_checkpoints``, without deleting by regex).
+
 Limits: local (or POSIX-mounted) save directories; DeepSpeed's NVMe-offload copies,
 which DeepSpeed writes with ``shutil.copytree`` beside the engine, are not covered.
 """
@@ -31,15 +37,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import deepspeed.comm as ds_dist
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
-
 from shardpoint.errors import CheckpointError
+from shardpoint.integrations import missing_framework
+
+try:
+    import deepspeed.comm as ds_dist
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+except ModuleNotFoundError as exc:
+    raise missing_framework(exc, "deepspeed", "deepspeed") from exc
+
 from shardpoint.integrations.deepspeed.files import StagedTag, check_tag, read_checked, tag_iteration
+from shardpoint.integrations.deepspeed.pending import PendingSaves, SaveRequest
 
 __all__ = ["EngineOptions", "ShardpointCheckpointEngine", "use"]
 
@@ -57,14 +70,27 @@ class EngineOptions:
             ``Checkpointer(config=...)`` records them; GPT-NeoX's ``check_checkpoint_args``).
         unverified_ok: read a tag that has no ``shardpoint.json`` (one DeepSpeed's own
             engine wrote, from before the switch) without checksums; still no code is run.
+        async_save: ``save_checkpoint`` returns once the state is copied in memory; the files
+            are written on a thread and the tag is committed (``latest`` moved) at the first
+            optimizer step after every rank's files are written (DeepSpeed's decoupled
+            checkpointing). Call ``engine.destroy()`` or the checkpoint engine's ``wait()``
+            before the process exits, or the last save stays uncommitted (``latest`` on the one before).
+        upload_to: copy each committed tag to this ``s3://``, ``gs://`` or ``az://`` prefix (or a
+            shared directory) in the background, committed there with its own ``latest``.
+        keep_last: keep the newest N committed tags (locally and at ``upload_to``); None keeps all.
     """
 
     config: dict[str, Any] = field(default_factory=dict)
     unverified_ok: bool = False
+    async_save: bool = False
+    upload_to: str | None = None
+    keep_last: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, dict):
             raise ValueError(f"config must be a dict of the model's defining args, not {type(self.config).__name__}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1 (None keeps every tag), got {self.keep_last}")
 
 
 class ShardpointCheckpointEngine(CheckpointEngine):
@@ -73,7 +99,9 @@ class ShardpointCheckpointEngine(CheckpointEngine):
     DeepSpeed calls, on every rank: ``create`` (collective here: rank 0 makes the
     staging directory), ``makedirs`` / ``save`` for the files this rank writes, then
     ``commit`` (collective: the marker, the rename, ``latest``). ``load`` is called per
-    file by DeepSpeed's ``load_checkpoint``.
+    file by DeepSpeed's ``load_checkpoint``. With ``async_save`` or ``upload_to`` the
+    engine is *decoupled*: DeepSpeed calls ``commit`` at each optimizer step instead,
+    which commits what the background has finished (:mod:`.pending`).
     """
 
     def __init__(self, config_params: Any = None, options: EngineOptions | None = None):
@@ -87,14 +115,24 @@ class ShardpointCheckpointEngine(CheckpointEngine):
         self._engine: Any = None
         self._save_latest: bool | None = None  # set by use()'s wrapper for the save in progress
         self._staged: StagedTag | None = None
+        self.pending = PendingSaves(
+            async_save=self.options.async_save, upload_to=self.options.upload_to, keep_last=self.options.keep_last
+        )
+        #: seconds the last ``save_checkpoint`` held training (with ``async_save``: the copy in memory)
+        self.last_stall_seconds = 0.0
 
     def bind(self, engine: Any) -> None:
         """Remember the engine (weakly) for the step count and world sizes recorded in the marker."""
         self._engine = weakref.ref(engine)
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        self._staged = StagedTag(str(info.save_dir), str(info.tag))
-        self._staged.begin()
+        staged = StagedTag(str(info.save_dir), str(info.tag))
+        save_latest = info.save_latest if self._save_latest is None else self._save_latest
+        config = dict(self.options.config)
+        request = SaveRequest(staged, self._iteration(staged.tag), save_latest, config, self._topology())
+        self.pending.begin(request)  # the previous save committed first
+        staged.begin()
+        self._staged = staged
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         staged = self._staged
@@ -104,20 +142,38 @@ class ShardpointCheckpointEngine(CheckpointEngine):
             super().makedirs(path, exist_ok=exist_ok)  # the save directory itself, before create()
 
     def save(self, state_dict: Any, path: str) -> None:
-        if self._staged is None:
-            raise CheckpointError(f"DeepSpeed saved {path} before create(); call engine.save_checkpoint()")
-        self._staged.write(state_dict, path, self.zipfile_serialization)
+        self.pending.write(state_dict, path, self.zipfile_serialization)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return read_checked(path, map_location, unverified_ok=self.options.unverified_ok)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        staged, self._staged = self._staged, None
-        if staged is None:
-            raise CheckpointError(f"commit of tag {info.tag!r} without a save in progress")
-        save_latest = info.save_latest if self._save_latest is None else self._save_latest
-        staged.commit(self._iteration(staged.tag), save_latest, dict(self.options.config), self._topology())
-        return True
+        """Sync: the save's commit (every rank, in ``save_checkpoint``); decoupled: each step's poll."""
+        self._staged = None
+        return self.pending.poll(blocking=not self.pending.decoupled)
+
+    def is_decoupled(self) -> bool:
+        return self.pending.decoupled
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        """While something is pending, what DeepSpeed passes back to :meth:`commit` at its next step.
+
+        ``save_latest`` is False: DeepSpeed would rewrite ``latest`` in place after the commit;
+        the commit replaces it atomically itself.
+        """
+        if not self.pending.busy:
+            return None
+        return CheckpointCommitInfo(tag="", save_dir="", save_latest=False)
+
+    def wait(self) -> None:
+        """Collective: commit a pending async save and upload now (every rank calls it, e.g. before exiting)."""
+        self._staged = None
+        self.pending.poll(blocking=True)
+
+    def cleanup(self) -> None:
+        """``engine.destroy()`` (every rank): commit what is pending, then release the upload directory."""
+        self._staged = None
+        self.pending.close()
 
     def _iteration(self, tag: str) -> int:
         engine = self._engine() if self._engine is not None else None
@@ -166,10 +222,15 @@ def use(engine: Any, **options: Any) -> ShardpointCheckpointEngine:
         if not isinstance(current, ShardpointCheckpointEngine):
             return original(save_dir, tag, {} if client_state is None else client_state, save_latest, **kw)
         current._save_latest = save_latest  # the commit replaces `latest` atomically; DeepSpeed must not rewrite it
+        started = time.perf_counter()
         try:
-            return original(save_dir, tag, {} if client_state is None else client_state, False, **kw)
+            saved = original(save_dir, tag, {} if client_state is None else client_state, False, **kw)
         finally:
             current._save_latest = None
+        if not current.options.async_save:  # committed now; a decoupled engine's DeepSpeed did not call commit
+            current.pending.commit_written(blocking=True)
+        current.last_stall_seconds = time.perf_counter() - started
+        return saved
 
     engine.save_checkpoint = save_checkpoint
     setattr(engine, _WRAPPED, original)
@@ -190,6 +251,7 @@ def _wrap_load(engine: Any) -> None:
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kw: Any):
         current = engine.checkpoint_engine
         if isinstance(current, ShardpointCheckpointEngine):
+            current.wait()  # a pending save committed first: it may be the tag this load reads
             check_tag(str(load_dir), tag, current.options.unverified_ok)
         return original(load_dir, tag, *args, **kw)
 

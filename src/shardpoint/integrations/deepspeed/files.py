@@ -119,6 +119,7 @@ class StagedTag:
             return
         try:
             name = self.name_of(path)
+            faults.hit("before-data", comm.rank())
             target = os.path.join(self.staging, name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             # to the path, as DeepSpeed does: torch.save names the archive's root after the file

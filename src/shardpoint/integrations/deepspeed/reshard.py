@@ -46,6 +46,13 @@ import torch
 
 from shardpoint.checkpointer import Checkpointer
 from shardpoint.errors import CheckpointError
+from shardpoint.integrations import missing_framework
+
+try:
+    import deepspeed
+except ModuleNotFoundError as exc:
+    raise missing_framework(exc, "deepspeed", "deepspeed") from exc
+
 from shardpoint.integrations.deepspeed.files import tag_iteration
 from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
@@ -295,8 +302,6 @@ def _whole_parameters(engine: Any, loading: bool) -> Any:
     """ZeRO-3: every parameter whole on every rank for the block (a load's values are re-partitioned from rank 0)."""
     if int(engine.zero_optimization_stage()) != 3:
         return contextlib.nullcontext()
-    import deepspeed
-
     return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0 if loading else None)
 
 
