@@ -19,22 +19,23 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 import xxhash
 
+from shardpoint.catalog.metadata import HELD_NOTE, MARKER_NAME, CheckpointMetadata, FileRecord, referred_dir
+from shardpoint.storage.base import Storage
+
+_serialization_config: Any  # torch's config module: its settings and ``_config`` are made at run time
 try:
     from torch.utils.serialization import config as _serialization_config
 except ImportError:  # torch < 2.6 has no such setting: files keep their CRC32
     _serialization_config = None
 
-
-from shardpoint.catalog.metadata import HELD_NOTE, MARKER_NAME, CheckpointMetadata, FileRecord, referred_dir
-from shardpoint.storage.base import Storage
-
 __all__ = [
     "FileProblem",
     "HashingWriter",
+    "RawWriter",
     "checksum_file",
     "record_file",
     "sibling_problem",
@@ -53,7 +54,7 @@ def _crc_setting_is_per_thread() -> bool:
     change what every other thread writes (and overlapping writers could leave it off).
     """
     try:
-        entry = _serialization_config._config["save.compute_crc32"]  # type: ignore[union-attr]
+        entry = _serialization_config._config["save.compute_crc32"]
         return isinstance(entry.user_override, ContextVar)
     except (AttributeError, KeyError, TypeError):
         return False
@@ -88,13 +89,22 @@ def without_zip_crc32() -> Iterator[None]:
         _serialization_config.save.compute_crc32 = saved
 
 
+class RawWriter(Protocol):
+    """What :class:`HashingWriter` writes through: a binary file opened for writing, or a sink like one."""
+
+    def write(self, data: Any, /) -> int: ...
+    def tell(self) -> int: ...
+    def flush(self) -> None: ...
+    def fileno(self) -> int: ...
+
+
 class HashingWriter:
     """A binary file wrapper that hashes every byte written through it.
 
     It offers what ``torch.save`` and DCP's writer use (write, tell, flush, fileno).
     """
 
-    def __init__(self, raw: BinaryIO):
+    def __init__(self, raw: RawWriter):
         self.raw = raw
         self.digest = xxhash.xxh3_64()
         self.size = 0

@@ -73,6 +73,18 @@ class _Upload:
     staging: str | None = None  # this upload's own directory on the store, the same on every rank
     base: str | None = None  # rank 0: the remote checkpoint's marker digest when the save began
 
+    def started(self) -> BackgroundWrite:
+        """The copy in the background (:meth:`RemoteMirror._launch` starts one before anything polls)."""
+        if self.writer is None:
+            raise CheckpointError(f"the upload of {self.name} is polled but was never started")
+        return self.writer
+
+    def staged(self) -> str:
+        """This upload's directory on the store (:meth:`RemoteMirror._launch` names it before any file is copied)."""
+        if self.staging is None:
+            raise CheckpointError(f"the upload of {self.name} has no staging directory on the store")
+        return self.staging
+
 
 class RemoteMirror:
     """Copies committed local checkpoints to ``remote_root`` and commits them there.
@@ -117,8 +129,8 @@ class RemoteMirror:
         """
         name = local_dir.rstrip("/").rsplit("/", 1)[-1]
         files = sorted(f for f in files if f != MARKER_NAME)
-        self._pending = _Upload(local_dir, name, files, iteration, marker, update_tracker)
-        self._launch()
+        self._pending = upload = _Upload(local_dir, name, files, iteration, marker, update_tracker)
+        self._launch(upload)
 
     def prepare(self, name: str) -> None:
         """Rank 0, as a save of ``name`` begins: note which remote checkpoint its upload may replace.
@@ -141,9 +153,8 @@ class RemoteMirror:
         if self._lock is not None:
             self._lock.release()
 
-    def _launch(self) -> None:
+    def _launch(self, upload: _Upload) -> None:
         """Collective (from :meth:`start` and a retry): begin the upload if not begun yet, then copy in background."""
-        upload = self._pending
         upload.attempts += 1
         if upload.staging is None:
             try:
@@ -176,10 +187,10 @@ class RemoteMirror:
         copied = 0
         faults.hit("during-upload", comm.rank())
         for folder in sorted({posixpath.dirname(name) for name in upload.files} - {""}):
-            self.storage.makedirs(self.storage.join(upload.staging, folder))  # a filesystem needs them
+            self.storage.makedirs(self.storage.join(upload.staged(), folder))  # a filesystem needs them
         for name in upload.files:
             source = self.local.join(upload.local_dir, name)
-            target = self.storage.join(upload.staging, name)
+            target = self.storage.join(upload.staged(), name)
             size = self.local.size(source)
             if upload.attempts > 1 and self.storage.exists(target) and self.storage.size(target) == size:
                 continue  # uploaded by an earlier, interrupted attempt of this upload
@@ -199,15 +210,16 @@ class RemoteMirror:
         upload = self._pending
         if upload is None:
             return True
+        writer = upload.started()
         if blocking:
-            upload.writer.wait()
-        elif not all(comm.all_gather(upload.writer.done())):
+            writer.wait()
+        elif not all(comm.all_gather(writer.done())):
             return False
-        upload.writer.wait()
-        errors = [e for e in comm.all_gather(_describe(upload.writer.error)) if e]
+        writer.wait()
+        errors = [e for e in comm.all_gather(_describe(writer.error)) if e]
         if errors:
             return self._retry(upload, errors, blocking)
-        self.last_upload_seconds = upload.writer.seconds
+        self.last_upload_seconds = writer.seconds
         self._pending = None  # committed or failed: never committed twice
         _from_root(lambda: self._commit(upload), f"committing the upload of {upload.name}")
         return True
@@ -229,7 +241,7 @@ class RemoteMirror:
             upload.attempts + 1,
             self.max_attempts,
         )
-        self._launch()
+        self._launch(upload)
         return self.poll(blocking) if blocking else False
 
     def _commit(self, upload: _Upload) -> None:
@@ -239,9 +251,9 @@ class RemoteMirror:
         try:
             if self._lock is not None and upload.base not in (None, commit.marker_digest(self.storage, final)):
                 raise _replaced(final)  # a filesystem has no claim; the lock keeps the check and rename together
-            commit.publish(self.storage, upload.staging, final, meta)
+            commit.publish(self.storage, upload.staged(), final, meta)
         except BaseException:
-            self._discard(upload.staging)  # this upload's own directory (kept when it won its claim)
+            self._discard(upload.staged())  # this upload's own directory (kept when it won its claim)
             raise
         if upload.update_tracker:
             commit.write_tracker(self.storage, self.root, self.layout, upload.iteration)

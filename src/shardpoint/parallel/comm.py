@@ -130,7 +130,7 @@ def _gather_to(obj: Any, dst: int, group: Any) -> list[Any] | None:
     data = _encode(obj)
     frames = [_empty(GATHER_INLINE) for _ in range(size)] if rank() == dst else None
     dist.gather(_frame(data, GATHER_INLINE), frames, dst=dst, group=group)
-    if rank() != dst:
+    if frames is None:  # not the root
         if len(data) > GATHER_INLINE:
             dist.send(_padded(data, len(data)), dst=dst, group=group)
         return None
@@ -183,7 +183,7 @@ def _scatter_from(parts: list[Any] | None, src: int, group: Any) -> Any:
     datas = [_encode(part) for part in parts]
     dist.scatter(frame, [_frame(data, GATHER_INLINE) for data in datas], src=src, group=group)
     sends = [
-        dist.isend(_padded(data, len(data)), dst=member, group=group)
+        posted(dist.isend(_padded(data, len(data)), dst=member, group=group), f"sending rank {member} its part")
         for member, data in zip(members, datas)
         if member != src and len(data) > GATHER_INLINE
     ]
@@ -322,6 +322,13 @@ def moves_directly(backend: str, device_type: str) -> bool:
     return name is not None and name != "gloo"
 
 
+def posted(request: dist.Work | None, what: str) -> dist.Work:
+    """The request of an ``isend`` / ``irecv`` (torch answers None to a rank outside the group)."""
+    if request is None:
+        raise CheckpointError(f"{what}: rank {rank()} is not in the process group it was asked to use")
+    return request
+
+
 def barrier(group: Any = None, what: str = "a barrier") -> None:
     if initialized() and world_size() > 1:
         group = group or control_group()
@@ -336,10 +343,10 @@ def agree(step: Callable[[], T], what: str, group: Any = None) -> T:
     type and message); the others raise a CheckpointError naming the failed ranks
     and their first error line.
     """
-    result, error = _attempt(step)
-    outcomes = all_gather(_summary(error), group, what)
-    _raise_failures(error, dict(enumerate(outcomes)), what)
-    return result
+    outcome = _attempt(step)
+    outcomes = all_gather(_summary(outcome[1]), group, what)
+    _raise_failures(outcome[1], dict(enumerate(outcomes)), what)
+    return _value(outcome)
 
 
 def agree_all(step: Callable[[], T], what: str, group: Any = None) -> list[T]:
@@ -401,20 +408,28 @@ def _at_root(
     gathered: list[tuple[str | None, Any]], run: Callable[[list[Any]], T]
 ) -> tuple[T | None, BaseException | None, dict[int, str | None]]:
     """Rank 0: ``run`` on every rank's value unless a rank failed; its result, its failure and the verdict."""
-    verdict = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
+    verdict: dict[int, str | None] = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
     if verdict:
         return None, None, verdict
     result, error = _attempt(lambda: run([v for _, v in gathered]))
     return result, error, ({} if error is None else {rank(): _summary(error)})
 
 
-def _attempt(step: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+def _attempt(step: Callable[[], T]) -> tuple[T, None] | tuple[None, BaseException]:
+    """``step``'s result, or the exception it raised (to be told to the other ranks before it is raised)."""
     try:
         return step(), None
     except CheckpointTimeoutError:
         raise  # a round inside the step broke: its peers are named already, and the next round could hang too
     except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
         return None, exc
+
+
+def _value(outcome: tuple[T, None] | tuple[None, BaseException]) -> T:
+    """The result of an :func:`_attempt` whose failure, if any, was raised already (raised again here)."""
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
 
 
 def _summary(error: BaseException | None) -> str | None:

@@ -19,9 +19,9 @@ import errno
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Literal, Protocol
 
 from shardpoint.errors import CheckpointError, StorageError
 from shardpoint.storage.object_store import is_object_url
@@ -66,7 +66,7 @@ class Storage(Protocol):
     def size(self, path: str) -> int: ...
     def read_bytes(self, path: str) -> bytes: ...
     def open_read(self, path: str) -> BinaryIO: ...
-    def open_write(self, path: str) -> Iterator[BinaryIO]:
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
         """Context manager: a new file that is durable (fsynced / uploaded) when the block exits."""
         ...
 
@@ -255,7 +255,7 @@ class _storage_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if exc is None or not isinstance(exc, OSError):
             return False
         raise StorageError(describe_os_error(exc, self.path, self.needed)) from exc

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Literal, TypeVar
 
 from shardpoint.errors import StorageError
 
@@ -220,7 +220,7 @@ class _Errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         store, where = self.storage.store, f"{self.storage.scheme}://{self.storage.bucket}"
         if self.writing and isinstance(exc, FileNotFoundError):  # a write finds no object: no bucket
             raise StorageError(

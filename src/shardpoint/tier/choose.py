@@ -184,7 +184,7 @@ def choose(
             why = why or "no copy that was not tried already"
             (log.warning if found else log.info)("local tier (%s) not used: %s; next: the persistent store", root, why)
         return None, []
-    failed = []
+    failed: list[tuple[int, str]] = []
     for candidate in candidates:
         sources, why = _verify_rounds(storage, nodes, candidate, verify)
         if sources is not None:
@@ -222,7 +222,7 @@ def _verify_rounds(
             return None, f"no intact copy of rank(s) {exhausted[:8]}'s files of iteration {iteration} on any node"
         todo = {o: copies[0] for o, copies in remaining.items() if o not in chosen}
         checked = [(o, _check(storage, offer, verify)) for o, offer in todo.items() if _server(offer, nodes) == me]
-        results = comm.agree_all(lambda checked=checked: checked, "verifying local-tier copies")
+        results = comm.agree_all(checked.copy, "verifying local-tier copies")
         for owner, problem in (r for part in results for r in part):
             offer = remaining[owner].pop(0)
             if problem is None:

@@ -47,11 +47,12 @@ def fetch(storage: LocalStorage, root: str, choice: Choice) -> str:
         for name, record in sorted(s.offer.files.items())
     ]
     mine = choice.sources[me]
-    tmp = tmp_copy_dir(storage, root, choice.iteration, me) if mine.tier == PEER else None
+    fetching = mine.tier == PEER
+    tmp = tmp_copy_dir(storage, root, choice.iteration, me)  # a name only: created when fetching
     try:
         errors = []
         try:
-            if tmp is not None:
+            if fetching:
                 storage.makedirs(tmp)
         except OSError as exc:  # the bytes are then discarded: the sender must still be served
             errors.append(f"cannot create {tmp}: {exc}")
@@ -64,7 +65,7 @@ def fetch(storage: LocalStorage, root: str, choice: Choice) -> str:
         errors += exchange_errors
 
         def finish() -> str:
-            if mine.tier != PEER:
+            if not fetching:
                 if errors:
                     raise CorruptCheckpointError("; ".join(errors))
                 return mine.offer.path
@@ -84,10 +85,10 @@ def fetch(storage: LocalStorage, root: str, choice: Choice) -> str:
 
         path = comm.agree(finish, "fetching local-tier files from peers")
     except BaseException:
-        if tmp is not None:
+        if fetching:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if mine.tier == PEER:
+    if fetching:
         log.info(
             "rank %d: received %s of iteration %d from rank %d into %s",
             me,

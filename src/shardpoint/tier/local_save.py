@@ -76,7 +76,7 @@ class LocalTimes:
 @dataclass
 class _Pending:
     iteration: int
-    writer: BackgroundWrite | None = None
+    writer: BackgroundWrite = field(init=False)  # set by LocalSaver.start at once: its work needs this object
     tmp_dirs: list[str] = field(default_factory=list)  # every directory this rank created, for clean-up
 
 

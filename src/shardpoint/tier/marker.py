@@ -315,7 +315,7 @@ def remove_copy(storage: Storage, path: str) -> None:
 
 def remove_leftovers(storage: Storage, root: str) -> list[str]:
     """Delete what interrupted saves and transfers left under ``root`` (the node's leader, at start-up)."""
-    removed = []
+    removed: list[str] = []
     if not storage.is_dir(root):
         return removed
     for name in storage.listdir(root):

@@ -69,14 +69,14 @@ def nodes_from_domains(domains: Sequence[Sequence[int]], root: str) -> Nodes:
             see a, or a rank does not see itself): ``local_dir`` must be one directory
             shared by the ranks of a node and by no other node.
     """
-    domains = [tuple(sorted(d)) for d in domains]
-    for rank, domain in enumerate(domains):
-        if rank not in domain or any(domains[other] != domain for other in domain):
+    seen = [tuple(sorted(d)) for d in domains]
+    for rank, domain in enumerate(seen):
+        if rank not in domain or any(seen[other] != domain for other in domain):
             raise TierLayoutError(
                 f"ranks see each other's files under local_dir={root} inconsistently (rank {rank} sees "
                 f"{list(domain)}); give each node one local directory that all its ranks share and no other node sees"
             )
-    return Nodes(tuple(sorted(set(domains))))
+    return Nodes(tuple(sorted(set(seen))))
 
 
 def place_replicas(nodes: Nodes, replicas: int) -> dict[int, tuple[int, ...]]:

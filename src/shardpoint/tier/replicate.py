@@ -24,9 +24,10 @@ checksum failure instead of a hang.
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -60,8 +61,8 @@ class Transfer:
 
 def exchange(
     transfers: Sequence[Transfer],
-    open_source: Callable[[Transfer], BinaryIO],
-    open_target: Callable[[Transfer], BinaryIO],
+    open_source: Callable[[Transfer], AbstractContextManager[io.BufferedIOBase]],
+    open_target: Callable[[Transfer], AbstractContextManager[BinaryIO]],
     group: Any,
     chunk: int = CHUNK,
 ) -> tuple[dict[Transfer, FileRecord], list[str]]:
@@ -87,11 +88,11 @@ def exchange(
             for t in sends:
                 if c < t.chunks(chunk):
                     data = _read_chunk(readers[t], buffers[t], t, c, chunk, errors)
-                    ops.append(dist.isend(data, t.target, group=group, tag=tags[t]))
+                    ops.append(comm.posted(dist.isend(data, t.target, group=group, tag=tags[t]), _moving(t)))
             for t in recvs:
                 if c < t.chunks(chunk):
                     buffer = buffers[t][: min(chunk, t.size - c * chunk)]
-                    ops.append(dist.irecv(buffer, t.source, group=group, tag=tags[t]))
+                    ops.append(comm.posted(dist.irecv(buffer, t.source, group=group, tag=tags[t]), _moving(t)))
                     incoming.append((t, buffer))
             for op in ops:
                 op.wait()
@@ -109,7 +110,13 @@ class _Sink:
     sender never waits on it; the failure is recorded for the caller to raise.
     """
 
-    def __init__(self, stack: ExitStack, open_target: Callable[[Transfer], BinaryIO], t: Transfer, errors: list[str]):
+    def __init__(
+        self,
+        stack: ExitStack,
+        open_target: Callable[[Transfer], AbstractContextManager[BinaryIO]],
+        t: Transfer,
+        errors: list[str],
+    ):
         self.transfer, self.errors = t, errors
         self.hashing: HashingWriter | None = None
         self.digest = HashingWriter(_Discard())
@@ -145,15 +152,37 @@ class _Sink:
         self.errors.append(f"cannot store rank {t.owner}'s {t.name} received from rank {t.source}: {exc}")
 
 
+def _moving(t: Transfer) -> str:
+    return f"moving rank {t.owner}'s {t.name} from rank {t.source} to rank {t.target}"
+
+
 class _Discard:
-    def write(self, data: Any) -> int:
-        return memoryview(data).nbytes
+    """Where the bytes of a transfer that cannot be stored go: counted (for the record), then dropped."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def write(self, data: Any, /) -> int:
+        size = memoryview(data).nbytes
+        self.position += size
+        return size
+
+    def tell(self) -> int:
+        return self.position
 
     def flush(self) -> None:
         pass
 
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("a discarding sink has no file descriptor")
 
-def _open_or_none(stack: ExitStack, open_source: Callable, t: Transfer, errors: list[str]) -> BinaryIO | None:
+
+def _open_or_none(
+    stack: ExitStack,
+    open_source: Callable[[Transfer], AbstractContextManager[io.BufferedIOBase]],
+    t: Transfer,
+    errors: list[str],
+) -> io.BufferedIOBase | None:
     try:
         return stack.enter_context(open_source(t))
     except OSError as exc:
@@ -162,11 +191,11 @@ def _open_or_none(stack: ExitStack, open_source: Callable, t: Transfer, errors: 
 
 
 def _read_chunk(
-    reader: BinaryIO | None, buffer: torch.Tensor, t: Transfer, c: int, chunk: int, errors: list[str]
+    reader: io.BufferedIOBase | None, buffer: torch.Tensor, t: Transfer, c: int, chunk: int, errors: list[str]
 ) -> torch.Tensor:
     """Chunk ``c`` of the file in ``buffer``; zeros when it cannot be read (the receiver must not hang)."""
     data = buffer[: min(chunk, t.size - c * chunk)]
-    view = memoryview(data.numpy()).cast("B")
+    view = data.numpy().data.cast("B")
     try:
         got = reader.readinto(view) if reader is not None else 0
     except OSError as exc:
