@@ -121,6 +121,22 @@ def load_stock(rank: int, world: int, directory: str, stage: int) -> dict[str, A
     return {"path": path, "iteration": client["iteration"], "params": params(eng), "losses": train(eng, 2, 3)}
 
 
+def load_stock_and_converted(rank: int, world: int, directory: str, converted: str, stage: int) -> dict[str, Any]:
+    """:func:`load_stock` of ``directory``, then DeepSpeed's own engine loads ``convert --to deepspeed``'s files."""
+    stock = load_stock(rank, world, directory, stage)
+    eng = engine(stage, seed=1)
+    path, client = eng.load_checkpoint(converted)
+    state = {
+        "path": path,
+        "client": client,
+        "state": full_state(eng),
+        "params": params(eng),
+        "step": int(next(iter(eng.optimizer.optimizer.state.values()))["step"]),
+        "global_steps": eng.global_steps,
+    }
+    return {"stock": stock, "converted": state}
+
+
 def load_ours(rank: int, world: int, directory: str, stage: int, options: dict | None = None) -> dict[str, Any]:
     """The engine with shardpoint's checkpoint engine loads the directory (checked); a failure is returned."""
     from shardpoint.errors import CheckpointError

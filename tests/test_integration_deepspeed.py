@@ -25,7 +25,7 @@ from tests.integration_deepspeed_worker import (
     in_background_then_preempted,
     load_ours,
     load_ours_each,
-    load_stock,
+    load_stock_and_converted,
     reshard_load,
     reshard_save,
     resume_all,
@@ -70,15 +70,27 @@ def test_engine_mode_files_are_deepspeeds_own(both):
 
 
 @pytest.fixture(scope="module")
-def stock_loaded(both):
-    """DeepSpeed's own engine (no shardpoint) loads shardpoint's files and trains two more steps."""
+def converted(resharded, tmp_path_factory):
+    """The reshardable checkpoint (dp=2 ZeRO-2) as DeepSpeed's own files for dp=2 ZeRO-2: ``convert --to deepspeed``."""
+    from shardpoint.cli import main
+
+    directory, _ = resharded
+    out = tmp_path_factory.mktemp("converted") / "ds"
+    assert main(["convert", "--to", "deepspeed", str(directory), str(out), "--dp", "2", "--zero-stage", "2"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock_loaded(both, converted):
+    """DeepSpeed's own engine (no shardpoint) loads shardpoint's files and trains two more steps (and, in the
+    same launch, loads what ``convert --to deepspeed`` wrote)."""
     _, ours, *_ = both
-    return launch(load_stock, 2, str(ours), 2, env=ENV, backend="gloo")
+    return launch(load_stock_and_converted, 2, str(ours), str(converted), 2, env=ENV, backend="gloo")
 
 
 def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both, stock_loaded):
     _, ours, saved, _ = both
-    for result in stock_loaded:
+    for result in (r["stock"] for r in stock_loaded):
         assert result["iteration"] == 3
         _same(result["params"], saved)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -89,7 +101,7 @@ def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both, stock_load
 def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, stock_loaded, tmp_path):
     stock, ours, saved, uninterrupted = both
     mine = launch(load_ours, 2, str(ours), 2, env=ENV, backend="gloo")
-    for a, b, going_on in zip(stock_loaded, mine, uninterrupted):
+    for a, b, going_on in zip((r["stock"] for r in stock_loaded), mine, uninterrupted):
         _same(b["params"], saved)
         assert a["losses"] == b["losses"] == going_on  # resumed bit for bit: as from DeepSpeed's load, as uninterrupted
     damaged = tmp_path / "damaged"
@@ -151,7 +163,11 @@ def resharded(tmp_path_factory):
     return directory, saved
 
 
-@pytest.mark.parametrize("world, stage", [(1, 2), (1, 1), (1, 3), (2, 3)])
+# dp=4 runs 4 ranks on CI's 2 cores (about 25 s): with SHARDPOINT_DEEPSPEED_FULL=1
+FULL = pytest.mark.skipif(os.environ.get("SHARDPOINT_DEEPSPEED_FULL") != "1", reason="SHARDPOINT_DEEPSPEED_FULL=1")
+
+
+@pytest.mark.parametrize("world, stage", [(1, 2), (1, 1), (1, 3), (2, 3), pytest.param(4, 1, marks=FULL)])
 def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded, world, stage):
     directory, saved = resharded
     assert (directory / "latest").read_text() == "global_step3"
@@ -251,3 +267,37 @@ def test_engine_mode_sigkill_during_async_save_leaves_latest_on_previous_tag(tmp
         assert run["stopped"] == 3 and run["latest"] == "global_step3"
         assert result["preempted"]["iteration"] == 3
         assert result["preempted"]["losses"] == run["uninterrupted"][3:]
+
+
+def test_convert_to_deepspeed_writes_files_deepspeeds_own_loader_reads_exactly(resharded, converted, stock_loaded):
+    _, saved = resharded
+    assert (converted / "latest").read_text() == "global_step3"
+    names = sorted(p.name for p in (converted / "global_step3").iterdir())
+    assert names == [
+        "mp_rank_00_model_states.pt",
+        "shardpoint.json",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    for result in (r["converted"] for r in stock_loaded):  # DeepSpeed's engine, no shardpoint, 2 ranks, ZeRO-2
+        _same(result["state"], saved[0]["state"])  # fp32 masters and both Adam moments, every element
+        _same(result["params"], saved[0]["params"])
+        assert result["step"] == result["global_steps"] == 3
+        assert result["client"]["iteration"] == 3 and result["client"]["args"]["hidden_size"] == 10
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    merged = get_fp32_state_dict_from_zero_checkpoint(str(converted))  # DeepSpeed's zero_to_fp32 reads them too
+    _same({k: v.float() for k, v in merged.items()}, saved[0]["params"])
+
+
+def test_convert_to_deepspeed_refuses_to_guess_the_flattening_order(tmp_path):
+    from shardpoint.errors import CheckpointError
+    from shardpoint.foreign._types import ForeignCheckpoint
+    from shardpoint.foreign.deepspeed_export import export_deepspeed
+
+    weight = torch.ones(2, 3)
+    state = {"exp_avg": torch.zeros(2, 3), "exp_avg_sq": torch.zeros(2, 3), "step": torch.tensor(1.0)}
+    ckpt = ForeignCheckpoint("deepspeed", "dist", "src", 1, params={"w": weight}, optimizer={"w": state})
+    with pytest.raises(CheckpointError, match="parameter groups.*--no-optimizer"):
+        export_deepspeed(ckpt, tmp_path / "out", dp=2)
+    assert not (tmp_path / "out" / "global_step1").exists()

@@ -23,7 +23,10 @@ directory, under megatron-core's names, as a release (weights only). ``--to mega
 from such a source or from a shardpoint checkpoint imported from one
 (:mod:`shardpoint.foreign`); a mixture-of-experts model also needs ``--ep E`` (its
 expert-parallel ranks' ``mp_rank_TT[_PPP]_EEE`` folders); a Hugging Face source becomes
-Megatron's release checkpoint. Foreign pickles are read through an allow-list; nothing in them runs.
+Megatron's release checkpoint. ``--to deepspeed --dp D [--zero-stage 1|2]`` writes DeepSpeed's
+own ZeRO files for D ranks, which DeepSpeed's ``load_checkpoint`` reads (from the DeepSpeed
+integration's reshardable mode, or any ``--from`` source; :mod:`shardpoint.foreign.deepspeed_export`).
+Foreign pickles are read through an allow-list; nothing in them runs.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ EXAMPLES = """examples:
   shardpoint convert --to megatron runs/imported /data/run-tp1 --tp 1 --pp 1
   shardpoint convert --from megatron --to megatron /data/run-tp2 /data/run-tp1-dp4 --tp 1 --dp 4 --distributed-optimizer
   shardpoint convert --to megatron runs/moe-imported /data/moe-ep4 --tp 1 --pp 1 --dp 4 --ep 4
+  shardpoint convert --to deepspeed runs/neox /data/neox-dp8 --dp 8 --zero-stage 1   # reshardable mode -> DeepSpeed
 """
 
 
@@ -103,9 +107,20 @@ def add_parser(subparsers: Any) -> None:
         help="--from megatron|deepspeed: import the model weights only (e.g. when the optimizer layout is refused)",
     )
     parser.add_argument(
-        "--to", dest="to_tool", choices=("megatron",), help="write Megatron-LM's legacy torch format (needs --tp/--pp)"
+        "--to",
+        dest="to_tool",
+        choices=("megatron", "deepspeed"),
+        help="write Megatron-LM's legacy torch format (needs --tp/--pp), or DeepSpeed's ZeRO-1/2 files (--dp)",
     )
-    parser.add_argument("--dp", type=_positive, metavar="D", help="data-parallel size recorded in --to megatron args")
+    parser.add_argument(
+        "--dp",
+        type=_positive,
+        metavar="D",
+        help="data-parallel size recorded in --to megatron args; --to deepspeed: the ranks the files are for",
+    )
+    parser.add_argument(
+        "--zero-stage", type=int, choices=(1, 2), default=2, help="--to deepspeed: the ZeRO stage (default 2)"
+    )
     parser.add_argument(
         "--ep",
         type=_positive,
@@ -193,6 +208,8 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
         if getattr(args, name):
             raise ValueError(f"--{name.replace('_', '-')} does not apply to --from/--to")
     source = None if args.from_tool in (None, "auto") else args.from_tool
+    if args.to_tool == "deepspeed":
+        return _export_deepspeed(out, args, source)
     if source == "hf" and (args.iteration is not None or args.no_optimizer):
         raise ValueError("--iteration and --no-optimizer do not apply to --from hf (weights only, one model)")
     if args.to_tool is None:
@@ -254,6 +271,44 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
         + f", {len(files)} rank folders"
         + (", distributed optimizer" if args.distributed_optimizer else "")
         + (", release (weights only: Megatron-LM starts at iteration 0)" if ckpt.extra.get("release") else "")
+    )
+    return EXIT_OK
+
+
+def _export_deepspeed(out: Output, args: argparse.Namespace, source: str | None) -> int:
+    """``--to deepspeed``: DeepSpeed's ZeRO-1/2 files for ``--dp`` ranks (see :mod:`.foreign.deepspeed_export`)."""
+    from shardpoint import foreign
+    from shardpoint.foreign.deepspeed_export import export_deepspeed, from_reshardable
+
+    if args.tp or args.pp or args.ep or args.distributed_optimizer:
+        raise ValueError("--to deepspeed writes data parallelism only: drop --tp/--pp/--ep/--distributed-optimizer")
+    if source == "hf":
+        from shardpoint.foreign.hf_import import read_hf
+
+        ckpt = read_hf(args.src)
+    elif args.from_tool:
+        ckpt = foreign.read_foreign(args.src, source=source, iteration=args.iteration, optimizer=not args.no_optimizer)
+    else:
+        ckpt = from_reshardable(args.src, args.iteration)
+    if args.no_optimizer:
+        ckpt.optimizer.clear()
+    offline.refuse_writing_into_source(ckpt.path, args.dst)
+    dp = args.dp or 1
+    path = export_deepspeed(ckpt, args.dst, dp=dp, stage=args.zero_stage)
+    optimizer = any(name.startswith("zero_pp_rank_") for name in os.listdir(path))
+    out.emit_json(
+        {
+            "source": ckpt.path,
+            "destination": path,
+            "dp": dp,
+            "zero_stage": args.zero_stage,
+            "iteration": ckpt.iteration,
+            "optimizer": optimizer,
+        }
+    )
+    out.print(
+        f"wrote DeepSpeed checkpoint {path}: ZeRO-{args.zero_stage}, dp={dp}"
+        + ("" if optimizer else ", weights only: load_checkpoint(..., load_optimizer_states=False)")
     )
     return EXIT_OK
 

@@ -249,6 +249,26 @@ def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
     return plain
 
 
+def _param_groups(engine: Any) -> list[dict[str, Any]]:
+    """Each flat ZeRO group's hyperparameters and its parameters' names in flattening order.
+
+    What ``shardpoint convert --to deepspeed`` needs to lay DeepSpeed's flat partitions
+    out again. ZeRO-1/2 flatten each optimizer group in ``round_robin_bit16_groups``
+    order; ZeRO-3's groups are recorded as one group of the trainable parameters in
+    module order.
+    """
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    base = engine.optimizer.optimizer.param_groups
+    flat_groups = getattr(engine.optimizer, "round_robin_bit16_groups", None)
+    if flat_groups is None:  # ZeRO-3
+        flat_groups = [[p for p in engine.module.parameters() if p.requires_grad]]
+    groups = []
+    for params, group in zip(flat_groups, base):
+        hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
+        groups.append(_plain_json(hyper) | {"param_names": [names[id(p)] for p in params]})
+    return groups
+
+
 def _scaler_state(engine: Any) -> dict[str, Any]:
     """The loss scaler's numbers (scale, dynamic-scaling counters): plain values, kept in ``extra``."""
     scaler = getattr(engine.optimizer, "loss_scaler", None)
@@ -355,6 +375,7 @@ def save_checkpoint(
         loss_scaler=_scaler_state(engine),
         # what of client_state is plain data, for a load at another layout (where per-rank state is not restored)
         client_state=_plain_json(client_state or {}),
+        param_groups=_param_groups(engine),
     )
     with _whole_parameters(engine, loading=False), _checkpointer(engine, save_dir, checkpointer_options or {}) as ckpt:
         ckpt.save(iteration, state)

@@ -1,0 +1,295 @@
+"""Write DeepSpeed's own ZeRO-1/2 checkpoint files at a chosen data-parallel size (``convert --to deepspeed``).
+
+DeepSpeed's ``load_checkpoint`` reads a ZeRO checkpoint only at the data-parallel size
+it was saved at. This writes, from global tensors (:class:`ForeignCheckpoint`: a
+checkpoint of :func:`shardpoint.integrations.deepspeed.save_checkpoint`'s reshardable
+mode, read by :func:`from_reshardable`; a DeepSpeed, Megatron-LM or Hugging Face
+checkpoint read by the importers), what ``engine.save_checkpoint`` would have written
+at ``dp`` ranks::
+
+    latest                                               # the tag, written last
+    global_step<N>/mp_rank_00_model_states.pt            # module weights, param_shapes, scheduler,
+                                                         #   steps, client_state
+    global_step<N>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   # rank r's slice of each flat group
+    global_step<N>/shardpoint.json                       # sizes and checksums (engine mode reads it checked)
+
+ZeRO-1/2 flatten each optimizer group (its parameters in order), pad the flat vector
+with zeros to a multiple of 2 × dp (DeepSpeed's ``nccl_start_alignment_factor``) and
+give rank r the r-th of dp equal slices. Per rank and group the file holds the fp32
+master slice without the padding (``single_partition_of_fp32_groups``), the base
+optimizer's state as ``optimizer.state_dict()`` gives it (Adam's moments over the
+padded slice, the step, the group's hyperparameters), the padding on the last rank
+(``group_paddings``) and where each parameter's fragment lies in the slice
+(``param_slice_mappings``, for ``zero_to_fp32`` and ``ds_to_universal``).
+
+The target model's optimizer must have the same groups, in the same order: the source's
+groups (recorded by the reshardable mode; a DeepSpeed or Megatron-LM source's own); a
+source that does not record them is refused (the stored order is not the model's). A source without
+optimizer state (Hugging Face weights) gets the model file only: load it with
+``load_checkpoint(..., load_optimizer_states=False)``; DeepSpeed then builds the fp32
+masters from the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import xxhash
+
+from shardpoint import offline
+from shardpoint._version import __version__
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
+from shardpoint.errors import CheckpointError
+from shardpoint.foreign._types import ForeignCheckpoint, args_from_json
+from shardpoint.foreign._unpickle import STAND_INS, save_foreign
+from shardpoint.lifecycle import commit
+from shardpoint.state.train_state import MODEL_PREFIX, OPTIM_PREFIX
+from shardpoint.storage.base import LocalStorage
+
+__all__ = ["export_deepspeed", "from_reshardable"]
+
+log = logging.getLogger(__name__)
+
+#: DeepSpeed's ``nccl_start_alignment_factor``: a flat group is padded to a multiple of this × dp
+ALIGNMENT = 2
+_FRAGMENT = STAND_INS["deepspeed.utils.tensor_fragment.fragment_address"]
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def from_reshardable(path: str, iteration: int | None = None) -> ForeignCheckpoint:
+    """A checkpoint of the DeepSpeed integration's reshardable mode, as global tensors for :func:`export_deepspeed`.
+
+    Raises:
+        CheckpointError: the checkpoint was not written by the reshardable mode (it names the
+            ``--from`` to use instead).
+    """
+    full = offline.read_full(path, iteration)
+    extra = dict(full.common.get("extra") or {})
+    if "global_steps" not in extra:
+        raise CheckpointError(
+            f"{full.path} was not saved by shardpoint.integrations.deepspeed.save_checkpoint (no DeepSpeed step "
+            "counts in it); convert a DeepSpeed, Megatron-LM or Hugging Face checkpoint with --from deepspeed|"
+            "megatron|hf"
+        )
+    params = {k[len(MODEL_PREFIX) :]: t for k, t in full.tensors.items() if k.startswith(MODEL_PREFIX)}
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in full.tensors.items():
+        if key.startswith(OPTIM_PREFIX):
+            name, _, state_key = key[len(OPTIM_PREFIX) :].rpartition(".")
+            states.setdefault(name, {})[state_key] = tensor
+    step = extra.get("optimizer_step")
+    ckpt = ForeignCheckpoint(
+        tool="deepspeed",
+        format="dist",
+        path=full.path,
+        iteration=full.metadata.iteration,
+        dp=int(full.metadata.topology.get("dp", 1)),
+        params=params,
+        scheduler=dict(full.common.get("scheduler") or {}),
+        consumed_samples=extra.get("global_samples"),
+        param_groups=[dict(group) for group in extra.get("param_groups") or []],
+        extra={k: extra.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "client_state")},
+    )
+    for name, state in states.items():
+        shape = params[name].shape
+        entry = {k: state[k].reshape(shape) for k in _MOMENTS if k in state}
+        if "fp32" in state:
+            entry["master_param"] = state["fp32"].reshape(shape)
+        if step is not None:
+            entry["step"] = torch.tensor(float(step))
+        ckpt.optimizer[name] = entry
+    return ckpt
+
+
+def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp: int = 1, stage: int = 2) -> str:
+    """Write ``ckpt`` into save directory ``dst`` as DeepSpeed's ZeRO-``stage`` files for ``dp`` ranks; return the tag.
+
+    Raises:
+        ValueError: ``stage`` is not 1 or 2, or ``dp`` < 1.
+        CheckpointError: the tag exists in ``dst`` already, or the groups do not cover the
+            parameters with optimizer state (named).
+
+    Example:
+        >>> export_deepspeed(from_reshardable("runs/neox"), "/data/neox-dp8", dp=8, stage=1)
+    """
+    if stage not in (1, 2):
+        raise ValueError(f"--stage must be 1 or 2 (ZeRO-3 files are not written), got {stage}")
+    if dp < 1:
+        raise ValueError(f"--dp must be at least 1, got {dp}")
+    root = os.path.abspath(os.fspath(dst))
+    tag = f"global_step{ckpt.iteration}"
+    final = os.path.join(root, tag)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} exists already; convert into another directory or remove it first")
+    groups = _groups(ckpt)
+    files = {"mp_rank_00_model_states.pt": _model_states(ckpt, groups, dp, stage)}
+    for rank in range(dp if groups else 0):
+        zero = {"optimizer_state_dict": _zero_state(ckpt, groups, dp, rank, stage)}
+        files[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = zero | _versions(ckpt, stage)
+    _commit(root, tag, files, ckpt, dp, stage)
+    log.info("wrote DeepSpeed checkpoint %s (ZeRO-%d, dp=%d, %d groups)", final, stage, dp, len(groups))
+    return final
+
+
+def _groups(ckpt: ForeignCheckpoint) -> list[dict[str, Any]]:
+    """The flat groups to write: hyperparameters and ``param_names``; [] without optimizer state."""
+    trained = [n for n in ckpt.params if any(k in ckpt.optimizer.get(n, {}) for k in _MOMENTS)]
+    if not trained:
+        return []
+    groups = [dict(g) for g in ckpt.param_groups if g.get("param_names")]
+    if not groups:  # the order DeepSpeed flattens in is the optimizer's, not the stored one: never guessed
+        raise CheckpointError(
+            f"{ckpt.path} does not record its optimizer's parameter groups (which parameters DeepSpeed flattens "
+            "together, in which order); save it again with this version, or convert with --no-optimizer"
+        )
+    listed = [n for g in groups for n in g["param_names"]]
+    missing = sorted(set(trained) - set(listed))
+    unknown = sorted(n for n in listed if n not in ckpt.params or not ckpt.optimizer.get(n))
+    if missing or unknown or len(set(listed)) != len(listed):
+        raise CheckpointError(
+            f"{ckpt.path}: the optimizer groups do not match the parameters with optimizer state (not in a group: "
+            f"{missing[:3]}, without state: {unknown[:3]}); convert with --no-optimizer to write the weights only"
+        )
+    return groups
+
+
+def _layout(ckpt: ForeignCheckpoint, names: list[str], dp: int) -> tuple[int, int, int]:
+    """(elements, padded elements, elements per rank) of one flat group."""
+    numel = sum(ckpt.params[n].numel() for n in names)
+    padded = math.ceil(numel / (ALIGNMENT * dp)) * ALIGNMENT * dp
+    return numel, padded, padded // dp
+
+
+def _flat(ckpt: ForeignCheckpoint, names: list[str], key: str, padded: int) -> torch.Tensor:
+    """One state (``master_param``: the fp32 weights) of a group's parameters flattened in order, zero-padded."""
+    parts = []
+    for name in names:
+        state = ckpt.optimizer[name]
+        value = state.get(key, ckpt.params[name]) if key == "master_param" else state[key]
+        parts.append(value.detach().reshape(-1).to(torch.float32))
+    flat = torch.cat(parts)
+    return torch.cat([flat, flat.new_zeros(padded - flat.numel())])
+
+
+def _zero_state(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], dp: int, rank: int, stage: int) -> dict:
+    """Rank ``rank``'s ``optimizer_state_dict``, as DeepSpeed's ZeRO-1/2 ``state_dict()`` returns it."""
+    fp32, paddings, mappings, state, param_groups = [], [], [], {}, []
+    for g, group in enumerate(groups):
+        names = list(group["param_names"])
+        numel, padded, size = _layout(ckpt, names, dp)
+        start, end = rank * size, (rank + 1) * size
+        padding = padded - numel if rank == dp - 1 else 0
+        fp32.append(_flat(ckpt, names, "master_param", padded)[start : end - padding].clone())
+        paddings.append(padding)
+        mappings.append(_fragments(ckpt, names, start, end))
+        state[g] = {k: _flat(ckpt, names, k, padded)[start:end].clone() for k in _MOMENTS}
+        step = ckpt.optimizer[names[0]].get("step")
+        if step is not None:
+            state[g] = {"step": torch.as_tensor(step, dtype=torch.float32).clone()} | state[g]
+        hyper = {k: tuple(v) if k == "betas" else v for k, v in group.items() if k != "param_names"}
+        param_groups.append(hyper | {"params": [g]})
+    return {
+        "base_optimizer_state": {"state": state, "param_groups": param_groups},
+        "single_partition_of_fp32_groups": fp32,
+        "zero_stage": stage,
+        "group_paddings": paddings,
+        "partition_count": [dp] * len(groups),
+        "ds_version": _ds_version(ckpt),
+        "param_slice_mappings": mappings,
+    }
+
+
+def _fragments(ckpt: ForeignCheckpoint, names: list[str], start: int, end: int) -> OrderedDict[str, Any]:
+    """Where each parameter's piece lies in the slice ``[start, end)`` of the flat group (``fragment_address``)."""
+    found: OrderedDict[str, Any] = OrderedDict()
+    offset = 0
+    for name in names:
+        numel = ckpt.params[name].numel()
+        low, high = max(offset, start), min(offset + numel, end)
+        if low < high:
+            address = _FRAGMENT()
+            address.__dict__.update(numel=high - low, start=low - start)
+            found[name] = address
+        offset += numel
+    return found
+
+
+def _model_states(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], dp: int, stage: int) -> dict[str, Any]:
+    """``mp_rank_00_model_states.pt`` as ``engine.save_checkpoint`` writes it, with the source's client state."""
+    extra = ckpt.extra
+    steps = int(extra.get("global_steps") or ckpt.iteration)
+    state: dict[str, Any] = {
+        "module": OrderedDict((n, t.detach().clone()) for n, t in ckpt.params.items()),
+        "buffer_names": list(ckpt.buffers),
+        "optimizer": None,
+        "param_shapes": [OrderedDict((n, ckpt.params[n].shape) for n in g["param_names"]) for g in groups],
+        "frozen_param_shapes": {},
+        "shared_params": {},
+        "frozen_param_fragments": {},
+        "lr_scheduler": ckpt.scheduler or None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": int(extra.get("skipped_steps") or 0),
+        "global_steps": steps,
+        "global_samples": int(extra.get("global_samples") or ckpt.consumed_samples or 0),
+        "dp_world_size": dp,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": "1", "tp_degree": "1"},
+        **_versions(ckpt, stage),
+        "iteration": ckpt.iteration,
+    }
+    client = extra.get("client_state") or {}
+    return state | {k: args_from_json(v) for k, v in client.items() if k not in state}
+
+
+def _versions(ckpt: ForeignCheckpoint, stage: int) -> dict[str, Any]:
+    config = args_from_json(ckpt.args.get("ds_config")) if ckpt.args.get("ds_config") else None
+    return {"ds_config": config or {"zero_optimization": {"stage": stage}}, "ds_version": _ds_version(ckpt)}
+
+
+def _ds_version(ckpt: ForeignCheckpoint) -> str:
+    """The DeepSpeed version the files claim: the source's, the installed one, else the one this writer follows."""
+    if ckpt.extra.get("ds_version"):
+        return str(ckpt.extra["ds_version"])
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "0.19.8"
+
+
+def _commit(root: str, tag: str, files: dict[str, Any], ckpt: ForeignCheckpoint, dp: int, stage: int) -> None:
+    """The files into a staging directory, renamed into place with ``shardpoint.json``, then ``latest``."""
+    os.makedirs(root, exist_ok=True)
+    storage = LocalStorage(root)
+    staging = commit.begin(storage, root, tag)
+    records = {}
+    try:
+        for name, state in files.items():
+            target = os.path.join(staging, name)
+            save_foreign(state, target)
+            with open(target, "rb") as f:
+                data = f.read()
+                os.fsync(f.fileno())
+            records[name] = FileRecord(len(data), xxhash.xxh3_64_hexdigest(data))
+        meta = CheckpointMetadata(
+            iteration=ckpt.iteration,
+            format="deepspeed",
+            topology={"world": dp, "dp": dp, "tp": 1, "pp": 1, "zero_stage": stage},
+            layout="neox",
+            files=records,
+            wall_time=time.time(),
+            library_version=__version__,
+        )
+        commit.publish(storage, staging, os.path.join(root, tag), meta)
+    except BaseException:
+        commit.discard(storage, staging)
+        raise
+    storage.write_atomic(os.path.join(root, "latest"), tag.encode())
