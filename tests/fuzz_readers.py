@@ -11,7 +11,8 @@ its files, and runs every reader of that source over the copy: ``Checkpointer.lo
 ``convert`` and ``export``. The mutants are what a file from someone else can hold:
 flipped, truncated or missing bytes; JSON fields set to huge, negative, wrong-type or
 deeply nested values; paths with ``..``, absolute, NUL or empty; DCP ``.metadata``
-records naming files outside the checkpoint or lengths far past the file; and pickles
+records naming files outside the checkpoint or lengths far past the file; the same in
+the columns of shardpoint's chunk index (``.chunk_index``, which loads plan from); and pickles
 naming globals (``os.system``). ``hypothesis`` draws them under a fixed seed
 (``derandomize``), and shrinks a failing one to its smallest form.
 
@@ -350,6 +351,8 @@ def mutate(data: Any, source: Source, work: Path) -> Mutant:
         kinds += ["json"] * 6
     if path.name == ".metadata":
         kinds += ["metadata"] * 8
+    if path.name == ".chunk_index":
+        kinds += ["index"] * 8
     if path.name in ("latest_checkpointed_iteration.txt", "latest"):
         kinds += ["tracker"] * 3
     kind = data.draw(st.sampled_from(kinds), label="kind")
@@ -389,6 +392,8 @@ def mutate(data: Any, source: Source, work: Path) -> Mutant:
         return Mutant(rel, f"tracker set to {text[:20]!r}")
     if kind == "json":
         return _mutate_json(data, path, rel, doc)
+    if kind == "index":
+        return _mutate_index(data, path, rel)
     return _mutate_metadata(data, path, rel, work)
 
 
@@ -459,6 +464,70 @@ def _mutate_metadata(data: Any, path: Path, rel: str, work: Path) -> Mutant:
         return Mutant(rel, f"unchanged ({name}: {exc})")
     path.write_bytes(pickle.dumps(md))
     return Mutant(rel, f"{name} = {value!r}")
+
+
+#: values a crafted chunk index (formats/chunk_index.py) can put in each column
+_INDEX_VALUES = {
+    "file": [-2, 1, 10**6, 2**31 - 1],
+    "offset": [-1, 2**62, 10**12, 1_550_000_000],
+    "length": [-1, 2**62, 10**12, 1_550_000_000, 0],
+    "starts": [-1, 1, 2**40, 10**12],
+    "sizes": [-1, 0, 2**40, 10**12],
+    "shapes": [-1, 0, 2**40, 10**12],
+    "shape_ends": [-1, 0, 10**6],
+    "first_row": [-1, 0, 10**6],
+    "key_ends": [-1, 0, 10**6],
+    "file_ends": [-1, 0, 10**6],
+    "dtype": [-2, 1, 100],
+    "key_names": [0, 0xFF, ord(".")],
+}
+_INDEX_HEADER = {
+    "dtypes": ['["os.system"]', "[]", "{}", "[1]", "x"],
+    "descriptors": ['[["x"]]', "[]", "x", "[1]"],
+    "rows": ["0", "-1", "x"],
+    "tensors": ["0", "x"],
+    "metadata_xxh3": ["0" * 16],
+    "version": ["2"],
+}
+
+
+def _mutate_index(data: Any, path: Path, rel: str) -> Mutant:
+    """One column or header field of a ``.chunk_index`` set to a crafted value; written anew as valid safetensors."""
+    import hypothesis.strategies as st
+    import numpy as np
+    import safetensors.numpy
+
+    raw = path.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+    arrays = {name: array.copy() for name, array in safetensors.numpy.load(raw).items()}
+    what = data.draw(st.sampled_from(["path", "path", "column", "column", "column", "header", "drop"]), label="what")
+    if what == "path":  # a file name leading out of the checkpoint or into a canary
+        value = data.draw(st.sampled_from(_path_values(path.parent, "__0_0.distcp")), label="value")
+        encoded = value.encode("utf-8", "surrogatepass")
+        ends = arrays["file_ends"]
+        first = int(ends[0]) if len(ends) else 0
+        arrays["file_names"] = np.frombuffer(encoded + arrays["file_names"].tobytes()[first:], np.uint8).copy()
+        arrays["file_ends"] = ends - first + len(encoded)
+        how = f"first file named {value!r}"
+    elif what == "column":
+        column = data.draw(st.sampled_from(sorted(_INDEX_VALUES)), label="column")
+        flat = arrays[column].reshape(-1)
+        if not len(flat):
+            return Mutant(rel, f"unchanged ({column} is empty)")
+        at = data.draw(st.integers(0, len(flat) - 1), label="at")
+        value = data.draw(st.sampled_from(_INDEX_VALUES[column]), label="value")
+        flat[at] = np.array(value).astype(flat.dtype)
+        how = f"{column}[{at}] = {value!r}"
+    elif what == "header":
+        field = data.draw(st.sampled_from(sorted(_INDEX_HEADER)), label="field")
+        header[field] = data.draw(st.sampled_from(_INDEX_HEADER[field]), label="value")
+        how = f"header {field} = {header[field]!r}"
+    else:
+        column = data.draw(st.sampled_from(sorted(arrays)), label="column")
+        del arrays[column]
+        how = f"column {column} removed"
+    path.write_bytes(safetensors.numpy.save(arrays, metadata=header))
+    return Mutant(rel, how)
 
 
 def reseal(path: Path, mutant: Mutant) -> Mutant:
@@ -614,7 +683,7 @@ def run(examples: int, report: Path, headroom: int = 1 << 30) -> dict[str, Any]:
         shutil.copytree(source.root, case)
         mutant = mutate(data, source, case)
         # an attacker reseals a crafted .metadata (else its checksum alone refuses it); other files either way
-        if mutant.file.endswith(".metadata") or data.draw(st.booleans(), label="reseal"):
+        if mutant.file.endswith((".metadata", ".chunk_index")) or data.draw(st.booleans(), label="reseal"):
             mutant = reseal(case / mutant.file, mutant)
         _plant_canaries(case, source)
         newest = Path(mutant.file).name == "shardpoint.json" and Path(mutant.file).parent.name.endswith("2")

@@ -67,8 +67,9 @@ from shardpoint.formats.base import (
     write_torch_file,
 )
 from shardpoint.formats.batched_writes import write_plan
+from shardpoint.formats.chunk_index import INDEX_NAME
 from shardpoint.formats.dcp_errors import dcp_errors
-from shardpoint.formats.dcp_metadata import DCP_METADATA, SafeMetadata, share_outline
+from shardpoint.formats.dcp_metadata import DCP_METADATA, SafeMetadata
 from shardpoint.formats.dcp_read import StreamingReads
 from shardpoint.formats.dist_replay import fingerprint_of, shard_spec
 from shardpoint.parallel import comm
@@ -251,6 +252,10 @@ class _CompleteWrites:
     referred: Mapping[str, FileRecord] = MappingProxyType({})  # the earlier checkpoints' files referred to
     copies_referred = False  # object stores: the files referred to are copied in, server-side (formats.dedup)
 
+    def finish(self, metadata: Metadata, results: Any) -> None:
+        super().finish(metadata, results)  # type: ignore[misc]
+        self.metadata: Metadata | None = metadata  # rank 0 of a dcp.save: its index (dist_save.index_after_dcp)
+
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
         to_write, refer = self.dedup.split(plan, planner, self.frozen) if self.dedup is not None else (plan, {})
         if refer and self.copies_referred:
@@ -385,22 +390,23 @@ class DistFormat:
         with dcp_errors(ctx.directory):
             if not dist_save.finish(ctx, writer, parts):
                 return {}  # dcp.save wrote it
-        return {DCP_METADATA: writer.records()[DCP_METADATA]}
+        return {name: writer.records()[name] for name in (DCP_METADATA, INDEX_NAME)}
 
     def files_read_by_all(self, meta: CheckpointMetadata) -> list[str]:
         return sorted(meta.files)
 
     def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:
-        """DCP's data files (see dcp_read) and ``.metadata`` (by the one rank that reads it, share_outline)."""
-        return {name for name in meta.files if name.endswith(".distcp") or name == DCP_METADATA}
+        """DCP's data files (see dcp_read), ``.metadata`` and the chunk index (load_parts.share_outline)."""
+        return {name for name in meta.files if name.endswith(".distcp") or name in (DCP_METADATA, INDEX_NAME)}
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
         """Four rounds at any rank count: the outline, the plan (gathered, then each rank's part), the reads.
 
-        ``.metadata`` is read and checked once per job, by rank 0, which broadcasts only
-        its outline (:func:`share_outline`). Each rank places its targets against the
-        outline (running the pipeline's file checks alongside) and sends rank 0 their
-        boxes; rank 0 plans every rank's reads from the whole file and sends each rank
+        The chunk index (``.metadata`` without one) is read and checked once per job, by
+        rank 0, which broadcasts only its outline (:func:`load_parts.share_outline`). Each
+        rank places its targets against the outline (running the pipeline's file checks
+        alongside) and sends rank 0 their boxes; rank 0 plans every rank's reads from the
+        whole index and sends each rank
         its own part (:mod:`~shardpoint.formats.load_parts`), so no rank but rank 0
         holds another rank's chunks. Each rank then runs DCP's planner and reader on its
         part by itself (as ``dcp.load(no_dist=True)``); the outcome round raises any
@@ -409,7 +415,7 @@ class DistFormat:
         expected = {n: meta.files[n] for n in self.checksummed_while_reading(meta)} if ctx.verify else None
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items, meta.files)
         reader.metadata_record = (expected or {}).get(DCP_METADATA)
-        outline, whole = share_outline(reader)
+        outline, whole = load_parts.share_outline(reader, meta.files)  # whole: rank 0's index (or .metadata)
         saved = sorted(outline.state_dict_metadata)
         local: dict[str, Any] = {}
 
@@ -425,13 +431,13 @@ class DistFormat:
 
         def plan(requests: list[load_parts.Request]) -> list[load_parts.Part]:
             assert whole is not None  # rank 0's
-            shared = self.shared_reads and len(requests) > 1 and bool(whole.storage_data)
+            shared = self.shared_reads and len(requests) > 1 and load_parts.stores_any(whole)
             budget = shared_reads.EXCHANGE_BUFFER_BYTES
             return load_parts.plan(whole, requests, shared, budget, ctx.directory)
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         part = comm.plan_at_root(prepare, plan, "preparing the load")
-        if whole is not None and comm.world_size() == 1:  # the part is the file: not rebuilt chunk by chunk
+        if isinstance(whole, Metadata) and comm.world_size() == 1:  # the part is the file: not rebuilt chunk by chunk
             metadata, position = whole, {}
         else:
             metadata, position = part.metadata(outline, saved)
@@ -458,7 +464,8 @@ class DistFormat:
                 exchange.stage()  # outside dcp_errors: a GPU out of memory is not a damaged file
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
-            outcome = sorted(reader.checked | reader.metadata_checked), reader.bytes_read
+            checked = load_parts.check_metadata_beside_index(reader, meta.files, whole)
+            outcome = sorted(reader.checked | reader.metadata_checked | checked), reader.bytes_read
             return outcome if exchanging else finish(outcome)
 
         def finish(outcome: Any) -> Any:

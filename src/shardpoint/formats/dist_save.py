@@ -17,8 +17,9 @@ So each rank writes its own plan with DCP's writer and sends rank 0 its
 :class:`~shardpoint.formats.metadata_records.RankRecords` in the commit round the save
 makes anyway; rank 0 writes ``.metadata`` from them
 (:func:`~shardpoint.formats.metadata_records.assemble`), the same ``Metadata`` that
-``dcp.save`` writes, read by plain ``dcp.load``. A save of an unchanged structure
-replays the cached plan (:mod:`shardpoint.formats.dist_replay`).
+``dcp.save`` writes, read by plain ``dcp.load``, and beside it the same chunks as
+arrays (:mod:`~shardpoint.formats.chunk_index`), which shardpoint's loads read instead.
+A save of an unchanged structure replays the cached plan (:mod:`shardpoint.formats.dist_replay`).
 
 Saves without a replica verdict (node-local saves, which plan per node) still run
 ``dcp.save``.
@@ -33,12 +34,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StoragePrefix  # DCP's per-rank file prefix
 from torch.distributed.checkpoint.planner import SavePlan
 
+from shardpoint.formats import chunk_index
 from shardpoint.formats.base import FormatContext
+from shardpoint.formats.dcp_metadata import DCP_METADATA
 from shardpoint.formats.dist_replay import SavePlanCache, write_metadata, write_with_plan
-from shardpoint.formats.metadata_records import RankRecords, assemble, encode
+from shardpoint.formats.metadata_records import RankRecords, assemble_with_index, encode
 from shardpoint.parallel import comm
 
-__all__ = ["finish", "local_plan", "save_with_dcp", "write"]
+__all__ = ["finish", "index_after_dcp", "local_plan", "save_with_dcp", "write"]
 
 
 def write(
@@ -59,6 +62,7 @@ def write(
         if cache is not None:
             cache.clear()  # nothing to replay from a save planned by DCP
         save_with_dcp(ctx, writer, planner, state_dict)
+        index_after_dcp(writer, ctx.directory)
         return
     plan = local_plan(planner, ctx.replicas.written_elsewhere, rank)
     results = write_with_plan(writer, planner, state_dict, plan, rank)
@@ -97,11 +101,28 @@ def finish(ctx: FormatContext, writer: Any, parts: list[RankRecords | None]) -> 
     if cache is None or (not cache.replay and ctx.replicas is None):
         return False
     if cache.replay and all(part is None for part in parts):  # storage records as they were: the same bytes
-        assert cache.metadata_chunks is not None
+        assert cache.metadata_chunks is not None and cache.index is not None
         write_metadata(writer, cache.metadata_chunks)
+        chunk_index.write(writer, cache.index)  # it records the same .metadata
         return True
     records = [new if new is not None else old for new, old in zip(parts, cache.records or parts)]
-    chunks = assemble(records)
+    chunks, index = assemble_with_index(records)
     write_metadata(writer, chunks)
-    cache.captured.update(records=records, metadata_chunks=chunks)
+    data = chunk_index.encode(index, writer.records()[DCP_METADATA])
+    chunk_index.write(writer, data)
+    cache.captured.update(records=records, metadata_chunks=chunks, index=data)
     return True
+
+
+def index_after_dcp(writer: Any, where: str) -> None:
+    """Rank 0 of a save ``dcp.save`` planned: the index of the ``.metadata`` it wrote (``writer.metadata``).
+
+    Built from DCP's objects (one comprehension step per chunk), as a load of a
+    checkpoint without an index would; these saves (node-local ones) are not the large ones.
+    """
+    metadata = getattr(writer, "metadata", None)
+    if metadata is None:
+        return
+    writer.metadata = None  # not held past the save
+    record = writer.records()[DCP_METADATA]
+    chunk_index.write(writer, chunk_index.encode(chunk_index.ChunkIndex.from_metadata(metadata, where), record))

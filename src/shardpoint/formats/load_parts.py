@@ -5,8 +5,9 @@ saved (204 MB at 4096 ranks × 300 tensors). Given to every rank, the whole file
 every rank of the load, which needs only the few hundred chunks its own targets
 overlap, and every rank plans every rank's shared reads. Here instead:
 
-1. rank 0 reads and checks ``.metadata`` and broadcasts its *outline*
-   (:func:`~shardpoint.formats.dcp_metadata.share_outline`):
+1. rank 0 reads and checks the chunk index (:func:`~shardpoint.formats.chunk_index.share_outline`:
+   arrays, nothing unpickled) or, for a checkpoint without one, ``.metadata``
+   (:func:`~shardpoint.formats.dcp_metadata.share_outline`), and broadcasts its *outline*:
    every tensor's name, size and dtype, without chunks or where they are stored, a few
    hundred bytes per tensor however many ranks saved it;
 2. each rank places its targets against the outline, as it would against the file, and
@@ -18,36 +19,78 @@ overlap, and every rank plans every rank's shared reads. Here instead:
 4. each rank rebuilds a ``Metadata`` of just those chunks (:meth:`Part.metadata`) and
    runs DCP's planner and reader on it as it would on the whole file.
 
-Rank 0 holds the whole file and every rank's boxes (it held them before too: it read the
-file); the others hold their part. Stored chunks are named by their *position*: the
-saved keys in sorted order, each key's chunks in ``.metadata``'s order.
+Rank 0 holds the whole index and every rank's boxes; the others hold their part. Stored
+chunks are named by their *position*: the saved keys in sorted order, each key's chunks
+in ``.metadata``'s order (the index's rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
+from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.formats import read_plan
+from shardpoint.formats import chunk_index, dcp_metadata, read_plan
 from shardpoint.formats.base import unexpected_keys, wanted_keys
+from shardpoint.formats.chunk_index import INDEX_NAME, ChunkIndex, padded
 from shardpoint.formats.shared_reads import Assignment
+from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
 
-__all__ = ["Part", "Request", "boxes_of", "plan", "width"]
+__all__ = [
+    "Part",
+    "Request",
+    "boxes_of",
+    "check_metadata_beside_index",
+    "plan",
+    "share_outline",
+    "stores_any",
+    "width",
+]
 
 #: (box, chunk) pairs tested at once for overlap; bounds rank 0's memory on a layout with wide bands
 _PAIRS_AT_ONCE = 1 << 22
 #: a tensor stored in at most this many chunks has each box tested against all of them (:func:`_overlaps`)
 _FEW_CHUNKS = 8
+
+
+def share_outline(reader: Any, listed: Mapping[str, FileRecord]) -> tuple[Metadata, ChunkIndex | Metadata | None]:
+    """Collective: the outline on every rank and, on rank 0, every stored chunk (see the module docstring).
+
+    From the chunk index when the marker lists one (nothing unpickled), else from
+    ``.metadata`` (older checkpoints, and those ``dcp.save`` wrote without shardpoint).
+    """
+    if INDEX_NAME in listed:
+        return chunk_index.share_outline(reader, listed)
+    return dcp_metadata.share_outline(reader)
+
+
+def stores_any(chunks: ChunkIndex | Metadata) -> bool:
+    """Some item has stored data (else there is no reading to share)."""
+    return bool(len(chunks.file) if isinstance(chunks, ChunkIndex) else chunks.storage_data)
+
+
+def check_metadata_beside_index(reader: Any, listed: Mapping[str, FileRecord], chunks: Any) -> set[str]:
+    """Every rank, in the read round: the files of the plan's source it checked (the pipeline's ``checked``).
+
+    A load planned from the index does not read ``.metadata``; a damaged one must still
+    fail the load (plain ``dcp.load`` reads it), so the last rank reads and checks it
+    while the others read their data, rather than a round of its own after the load.
+    Rank 0 checked the index (:func:`~shardpoint.formats.chunk_index.read`).
+    """
+    if INDEX_NAME not in listed or reader.metadata_record is None:
+        return set()
+    if comm.rank() == comm.world_size() - 1:
+        reader.read_metadata_bytes()  # size and checksum against the marker; raises naming .metadata
+    return {INDEX_NAME} if isinstance(chunks, ChunkIndex) else set()
 
 
 def width(outline: Metadata) -> int:
@@ -78,7 +121,7 @@ def boxes_of(present: Mapping[str, Shard], outline: Metadata, saved: Sequence[st
     usable = [s.tensor.dtype == dtype and s.tensor.is_contiguous() for s, dtype in zip(shards, dtypes)]
     offsets, shapes = [s.global_offset for s in shards], [s.tensor.shape for s in shards]
     dims = np.fromiter(map(len, shapes), np.int64, len(shapes))
-    boxes = np.stack((_padded(offsets, dims, width(outline), 0), _padded(shapes, dims, width(outline), 1)), axis=1)
+    boxes = np.stack((padded(offsets, dims, width(outline), 0), padded(shapes, dims, width(outline), 1)), axis=1)
     return ids.tobytes(), np.array(usable, np.bool_).tobytes(), boxes.tobytes()
 
 
@@ -144,7 +187,7 @@ class Part:
 
 @dataclass
 class _Table:
-    """Every stored chunk of ``.metadata`` by position: its box, its size in memory and where it is stored."""
+    """Every stored chunk by position: its box, its size in memory and where it is stored."""
 
     base: np.ndarray  # (keys + 1,): the first position of each saved key
     starts: np.ndarray
@@ -156,85 +199,35 @@ class _Table:
     files: list[tuple[str, tuple[str, ...] | None]]
 
     @classmethod
-    def of(cls, metadata: Metadata, saved: Sequence[str], dims: int, where: str) -> _Table:
-        """Built by comprehensions and numpy over all chunks at once: no Python statement per chunk.
-
-        1.2 million chunks and stored items at 4096 × 300; 10,000 on a rank of small
-        tensors, where a step per chunk cost more than the reads.
-        """
-        tensors = [metadata.state_dict_metadata[key] for key in saved]
-        is_tensor = [isinstance(md, TensorStorageMetadata) for md in tensors]
-        listed = [md.chunks if tensor else () for md, tensor in zip(tensors, is_tensor)]
-        counts = np.fromiter(map(len, listed), np.int64, len(listed))
-        base = np.concatenate(([0], np.cumsum(counts)))
-        chunks = list(itertools.chain.from_iterable(listed))
-        ndim = np.repeat([len(md.size) if t else 0 for md, t in zip(tensors, is_tensor)], counts).astype(np.int64)
-        offsets, extents = [chunk.offsets for chunk in chunks], [chunk.sizes for chunk in chunks]
-        for rows in (offsets, extents):
-            _check_dims(rows, ndim, saved, base, where)
-        starts, sizes = _padded(offsets, ndim, dims, 0), _padded(extents, ndim, dims, 1)
-        itemsize = [md.properties.dtype.itemsize if t else 0 for md, t in zip(tensors, is_tensor)]
+    def of(cls, index: ChunkIndex, dims: int) -> _Table:
+        """The index's columns, boxes cut to ``dims``, and each chunk's bytes in memory (numpy, no step per chunk)."""
+        itemsize = [0 if d is None else _ITEMSIZE[d] for d in index.dtypes]
+        counts = np.diff(index.first_row)
+        starts, sizes = index.starts[:, :dims], index.sizes[:, :dims]
         nbytes = sizes.prod(axis=1) * np.repeat(np.array(itemsize, np.int64), counts)
-        keys = itertools.chain.from_iterable(map(itertools.repeat, saved, counts.tolist()))
-        # (key, offsets) hashes as the MetadataIndex of storage_data: no conversions
-        at: dict[tuple[str, torch.Size], int] = dict(zip(zip(keys, offsets), range(len(chunks))))
-        file = np.full(len(chunks), -1, np.int32)  # -1: no stored data listed
-        offset, length = np.zeros(len(chunks), np.int64), np.zeros(len(chunks), np.int64)
-        storage = metadata.storage_data or {}
-        # the others (-1): a pickled object's bytes (refused when asked for), not a tensor's chunk
-        rows = np.fromiter(map(at.get, map(_fqn_offset, storage), itertools.repeat(-1)), np.int64, len(storage))
-        infos = list(storage.values())
-        paths = list(map(_relative_path, infos))
-        descriptors = list(
-            map(getattr, infos, itertools.repeat("transform_descriptors"), itertools.repeat(None))
-        )  # torch >= 2.7
-        if any(descriptors):
-            paths = [(path, tuple(d)) if d else path for path, d in zip(paths, descriptors)]
-        names = {name: i for i, name in enumerate(dict.fromkeys(paths))}  # a path, or (path, descriptors)
-        chunk = rows >= 0
-        file[rows[chunk]] = np.fromiter(map(names.__getitem__, paths), np.int64, len(paths))[chunk]
-        offset[rows[chunk]] = np.fromiter(map(_offset, infos), np.int64, len(infos))[chunk]
-        length[rows[chunk]] = np.fromiter(map(_length, infos), np.int64, len(infos))[chunk]
-        files = [name if isinstance(name, tuple) else (name, None) for name in names]
-        return cls(base, starts, sizes, nbytes, file, offset, length, files)
+        return cls(index.first_row, starts, sizes, nbytes, index.file, index.offset, index.length, index.files)
 
     def key_of(self, positions: np.ndarray) -> np.ndarray:
         return (np.searchsorted(self.base, positions, side="right") - 1).astype(np.int32)
 
 
-_fqn_offset = operator.attrgetter("fqn", "offset")  # of a MetadataIndex
-_relative_path, _offset, _length = map(operator.attrgetter, ("relative_path", "offset", "length"))  # of a _StorageInfo
+_ITEMSIZE = {str(d): d.itemsize for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
-def _check_dims(
-    rows: Sequence[Sequence[int]], ndim: np.ndarray, saved: Sequence[str], base: np.ndarray, where: str
-) -> None:
-    """Refuse a chunk whose offsets or sizes have another length than its tensor's dimensions."""
-    wrong = np.flatnonzero(np.fromiter(map(len, rows), np.int64, len(rows)) != ndim)
-    if len(wrong):
-        key = saved[int(np.searchsorted(base, wrong[0], side="right") - 1)]
-        raise CorruptCheckpointError(
-            f"{where}: .metadata lists a chunk of {key!r} with another number of dimensions than the tensor; "
-            "it is damaged"
-        )
+def plan(
+    chunks: ChunkIndex | Metadata, requests: Sequence[Request], shared: bool, budget: int, where: str
+) -> list[Part]:
+    """Rank 0: every rank's :class:`Part`, from every stored chunk and every rank's :class:`Request`.
 
-
-def _padded(rows: Sequence[Sequence[int]], ndim: np.ndarray, dims: int, fill: int) -> np.ndarray:
-    """``rows`` of ``ndim`` ints each as one (rows, dims) array, padded with ``fill`` (no step per row)."""
-    out = np.full((len(rows), dims), fill, np.int64)
-    out[np.arange(dims) < ndim[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(ndim.sum()))
-    return out
-
-
-def plan(metadata: Metadata, requests: Sequence[Request], shared: bool, budget: int, where: str) -> list[Part]:
-    """Rank 0: every rank's :class:`Part`, from the whole ``metadata`` and every rank's :class:`Request`.
-
-    ``shared``: replicas split the reading (:mod:`~shardpoint.formats.shared_reads`),
-    each buffer bounded by ``budget`` bytes. ``where``: the checkpoint, for messages.
+    ``chunks``: the checkpoint's :class:`~shardpoint.formats.chunk_index.ChunkIndex`, or
+    its whole ``.metadata`` (a checkpoint without an index). ``shared``: replicas split
+    the reading (:mod:`~shardpoint.formats.shared_reads`), each buffer bounded by
+    ``budget`` bytes. ``where``: the checkpoint, for messages.
     """
-    world, saved = len(requests), sorted(metadata.state_dict_metadata)
-    dims = width(metadata)
-    table = _Table.of(metadata, saved, dims, where)
+    index = chunks if isinstance(chunks, ChunkIndex) else ChunkIndex.from_metadata(chunks, where)
+    world, saved = len(requests), index.keys
+    dims = max([1, *map(len, index.shapes)])  # width() of the outline
+    table = _Table.of(index, dims)
     ranks, at, exact = _overlaps(table, requests, dims)
     unstored = at[table.file[at] < 0]
     if len(unstored):

@@ -34,7 +34,9 @@ import numpy as np
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 
-__all__ = ["RankRecords", "assemble", "encode"]
+from shardpoint.formats.chunk_index import ChunkIndex
+
+__all__ = ["RankRecords", "assemble", "assemble_with_index", "encode"]
 
 _SENTINEL = "\x00shardpoint-placeholder-{}\x00"
 _INT32_MAX = 2**31 - 1
@@ -280,7 +282,49 @@ def assemble(parts: Sequence[RankRecords | None]) -> list[bytes | memoryview]:
     Records are filled per number of dimensions, not per key: the Python work is a few
     numpy calls per group and a slice per key, however many keys and ranks.
     """
+    return _assemble(_gather(parts))
+
+
+def assemble_with_index(parts: Sequence[RankRecords | None]) -> tuple[list[bytes | memoryview], ChunkIndex]:
+    """:func:`assemble`, and the :class:`~shardpoint.formats.chunk_index.ChunkIndex` of the same items."""
     items = _gather(parts)
+    index = _index_of(items)  # first: assembling reorders the items in place
+    return _assemble(items), index
+
+
+def _index_of(items: _Items) -> ChunkIndex:
+    """The chunks of ``items`` as the index lists them: keys sorted, each key's chunks in ``.metadata``'s order.
+
+    ``.metadata`` lists a key's chunks in rank order (:func:`_by_dims` sorts stably), as
+    ``items`` holds them: a stable sort by key keeps that order. Columns only, no step per item.
+    """
+    keys = sorted(items.keys)
+    rank_of = np.empty(len(items.keys), np.int64)
+    rank_of[sorted(range(len(items.keys)), key=items.keys.__getitem__)] = np.arange(len(items.keys))
+    sorted_key = rank_of[items.key]
+    order = np.argsort(sorted_key, kind="stable")
+    counts = np.bincount(sorted_key, minlength=len(keys))
+    first_row = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    dims, ndim = items.dims, items.ndim[order].astype(np.int64)
+    width = max(1, dims)
+    starts = np.zeros((len(order), width), np.int64)
+    sizes = np.ones((len(order), width), np.int64)
+    real = np.arange(width) < ndim[:, None]
+    starts[:, :dims] = items.boxes[order, :dims]
+    sizes[real] = items.boxes[order, dims : 2 * dims][real[:, :dims]]
+    first = order[first_row[:-1]]  # each key's first item: its global shape and dtype
+    shape_rows = items.boxes[first, 2 * dims : 3 * dims].tolist()
+    shapes = [tuple(row[:n]) for row, n in zip(shape_rows, items.ndim[first].tolist())]
+    dtypes = [str(items.properties[i].dtype) for i in items.ids[first, 0].tolist()]
+    names = {name: i for i, name in enumerate(sorted(set(items.files)))}  # ranks may refer to one file
+    file_of = np.fromiter(map(names.__getitem__, items.files), np.int32, len(items.files))
+    file = file_of[items.ids[order, 1]]
+    offset, length = items.place[order, 0], items.place[order, 1]
+    files: list[tuple[str, tuple[str, ...] | None]] = [(name, None) for name in names]
+    return ChunkIndex(keys, list(dtypes), shapes, first_row, starts, sizes, file, offset, length, files)
+
+
+def _assemble(items: _Items) -> list[bytes | memoryview]:
     memo = _Memo()
     preamble = [b"\x80\x02"]
     for name, (module, cls) in _CLASSES.items():
