@@ -21,9 +21,10 @@ extensions = [
     "sphinx.ext.viewcode",
     "myst_parser",
     "cli_reference",
+    "bench_plots",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_generated"]
 html_theme = "furo"
 html_title = f"shardpoint {release}"
 myst_heading_anchors = 3
