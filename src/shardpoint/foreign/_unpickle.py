@@ -37,10 +37,12 @@ import signal
 import struct
 import threading
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from numpy._core import multiarray as _np_multiarray
 
 from shardpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from shardpoint.storage.safe_io import RestrictedUnpickler, load_dcp_metadata
@@ -182,10 +184,10 @@ _REAL: dict[str, Any] = {
     # numpy RNG state ("np_rng_state": ('MT19937', uint32 array, ...)) in Megatron's
     # rng_state and DeepSpeed's model states: builds an array from raw bytes; its
     # dtype classes are needed for the dtype's own BUILD step.
-    "numpy._core.multiarray._reconstruct": np._core.multiarray._reconstruct,
-    "numpy.core.multiarray._reconstruct": np._core.multiarray._reconstruct,  # numpy < 2 writes this name
-    "numpy._core.multiarray.scalar": np._core.multiarray.scalar,  # numpy scalars (a float in args)
-    "numpy.core.multiarray.scalar": np._core.multiarray.scalar,
+    "numpy._core.multiarray._reconstruct": _np_multiarray._reconstruct,
+    "numpy.core.multiarray._reconstruct": _np_multiarray._reconstruct,  # numpy < 2 writes this name
+    "numpy._core.multiarray.scalar": _np_multiarray.scalar,  # numpy scalars (a float in args)
+    "numpy.core.multiarray.scalar": _np_multiarray.scalar,
     "numpy.ndarray": np.ndarray,
     "numpy.dtype": np.dtype,
     **{f"{cls.__module__}.{cls.__name__}": cls for cls in _NUMPY_DTYPES},
@@ -193,7 +195,7 @@ _REAL: dict[str, Any] = {
 ALLOWED: dict[str, Any] = {**_REAL, **STAND_INS}
 """Every global a foreign file may name beyond what ``torch.load(weights_only=True)`` allows."""
 
-_SAFE_GLOBALS = [(obj, name) for name, obj in ALLOWED.items()]
+_SAFE_GLOBALS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [(o, n) for n, o in ALLOWED.items()]
 _LOCK = threading.Lock()
 
 
@@ -214,6 +216,7 @@ PICKLE_DAMAGE: tuple[type[BaseException], ...] = (
     struct.error,
     MemoryError,
 )
+_READ_DAMAGE: tuple[type[BaseException], ...] = (*PICKLE_DAMAGE, OSError)  # or the file could not be read
 
 
 def load_foreign(source: str | os.PathLike[str] | bytes, name: str | None = None) -> Any:
@@ -242,7 +245,7 @@ def load_foreign(source: str | os.PathLike[str] | bytes, name: str | None = None
             loaded = torch.load(opened, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(f"{where}: refused by the weights-only unpickler ({_last_line(exc)})") from None
-        except (*PICKLE_DAMAGE, OSError) as exc:
+        except _READ_DAMAGE as exc:
             raise CorruptCheckpointError(f"{where} cannot be read ({_last_line(exc)}); the file is damaged") from None
     return _as_stand_ins(loaded) if _real_classes_registered() else loaded
 
@@ -306,7 +309,11 @@ def load_dcp_metadata_foreign(data: bytes, where: str) -> Any:
     return load_dcp_metadata(data, where, _TorchDistMetadataUnpickler)
 
 
-class _ForeignPickler(pickle._Pickler):  # type: ignore[name-defined]
+# the pure-Python pickler, whose internals driven below (write, memo, memoize, save) typeshed does not describe
+_PurePickler: Any = pickle._Pickler
+
+
+class _ForeignPickler(_PurePickler):
     """Pickles :class:`GlobalName` as a GLOBAL opcode, so stand-ins go back under their own names."""
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:

@@ -335,7 +335,7 @@ def _tp_pieces(ckpt: ForeignCheckpoint, tp: int, args: Any) -> dict[str, dict[st
     groups = groups or getattr(args, "num_attention_heads", None)
     swiglu = bool(getattr(args, "swiglu", False))
     vocab, rows = getattr(args, "vocab_size", None), getattr(args, "padded_vocab_size", None)
-    result = {}
+    result: dict[str, dict[str, Any]] = {}
     for name, tensor in ckpt.params.items():
         values = {"param": tensor, **ckpt.optimizer.get(name, {})}
         result[name] = {}

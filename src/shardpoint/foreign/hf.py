@@ -498,7 +498,8 @@ def from_gpt2_state_dict(hf: dict[str, torch.Tensor], args: dict[str, Any], wher
             t = hf[f"transformer.h.{i}.{hf_name}"]
             t = t.t() if is_linear else t
             if hf_name.startswith("attn.c_attn."):
-                t = separate_to_qkv(*torch.chunk(t, 3, dim=0), heads, heads)
+                q, k, v = torch.chunk(t, 3, dim=0)
+                t = separate_to_qkv(q, k, v, heads, heads)
             out[f"decoder.layers.{i}.{candidates[0]}"] = t.contiguous()
     if not tied:
         out[OUTPUT_LAYER] = hf["lm_head.weight"]

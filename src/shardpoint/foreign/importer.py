@@ -32,7 +32,7 @@ import logging
 import os
 import pickletools
 import zipfile
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -133,6 +133,9 @@ def find_foreign(path: str | os.PathLike[str], iteration: int | None = None) -> 
     return directory if kind else None
 
 
+_UNREADABLE: tuple[type[BaseException], ...] = (OSError, *PICKLE_DAMAGE)
+
+
 def _holds_megatron_args(directory: str) -> bool:
     """Whether the first ``model_optim_rng.pt`` pickles an ``argparse.Namespace`` (Megatron's args).
 
@@ -142,7 +145,7 @@ def _holds_megatron_args(directory: str) -> bool:
     files = sorted(os.path.join(directory, n, MODEL_FILE) for n in os.listdir(directory) if n.startswith("mp_rank_"))
     try:
         names = _globals_in(next(f for f in files if os.path.exists(f)))
-    except (OSError, *PICKLE_DAMAGE):
+    except _UNREADABLE:
         return True  # unreadable: the reader names the damage
     return "argparse.Namespace" in names
 
@@ -174,6 +177,12 @@ def _globals_in(path: str) -> list[str]:
         elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
             names.append(f"{strings[-2]}.{strings[-1]}")
     return names
+
+
+@overload
+def detect(directory: str, strict: Literal[True] = True) -> str: ...
+@overload
+def detect(directory: str, strict: bool) -> str | None: ...
 
 
 def detect(directory: str, strict: bool = True) -> str | None:

@@ -386,7 +386,8 @@ def from_llama_state_dict(
         prefix, src = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[prefix + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[prefix + "self_attention.linear_proj.weight"] = hf[src + "self_attn.o_proj.weight"]
-        out[prefix + QKV] = separate_to_qkv(*(hf[src + n] for n in _QKV_HF), heads, groups)
+        q, k, v = (hf[src + n] for n in _QKV_HF)
+        out[prefix + QKV] = separate_to_qkv(q, k, v, heads, groups)
         out.update((prefix + names[0], hf[src + n]) for names, n in qk_norm)  # SelfAttention builds them after QKV
         out[prefix + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
         out.update((prefix + n, t) for n, t in mlp.from_hf(hf, src, args).items())

@@ -249,6 +249,14 @@ def buffer_order(names: list[str], where: str) -> list[str]:
     return sorted(names, key=rank)
 
 
+def _stage_param(params: Mapping[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+    """``name``'s tensor; a tied output layer's is the word embeddings'."""
+    tensor = params.get(name, params.get("embedding.word_embeddings.weight"))
+    if tensor is None:
+        raise CorruptCheckpointError(f"{where}: the checkpoint holds neither {name} nor the word embeddings tied to it")
+    return tensor
+
+
 def _stage_names(params: Mapping[str, torch.Tensor], args: Any, pp: int, where: str) -> list[list[str]]:
     """Parameters held by each pipeline stage, in GPTModel order (a tied output copy on the last stage)."""
     layers = int(getattr(args, "num_layers", 0) or 0)
@@ -365,7 +373,8 @@ def _gbuf_buckets(label: str, buckets: Mapping[tuple, dict[str, torch.Tensor]], 
         raise CorruptCheckpointError(
             f"{label}: bucket indices {found} have gaps (no bucket_idx_{missing[0]}); the checkpoint is incomplete"
         )
-    tensors = [buckets[(*gbuf, b)] for b in found]
+    keys = [(*gbuf, b) for b in found]
+    tensors = [buckets[key] for key in keys]
     for b, entry in enumerate(tensors):
         if "param" not in entry:
             raise CorruptCheckpointError(f"{label}: bucket_idx_{b} has {sorted(entry)} but no param; it is incomplete")
@@ -460,7 +469,7 @@ def _decode_dense(
     grouped = expert_module(args) == "GroupedMLP"
     for group in groups:
         t, p = group % tp, group // tp
-        source = {n: params.get(n, params.get("embedding.word_embeddings.weight")) for n in stages[p]}
+        source = {n: _stage_param(params, n, where) for n in stages[p]}
         local = {n: _local_piece(n, tensor, t, tp, swiglu, etp) for n, tensor in source.items()}
         recorded = extras.get(group, {}).get("per_bucket_numel_unpadded")
         per_rank[(t, p)] = _rank_moments(where, group, stages[p], local, buckets, recorded, grouped)

@@ -153,7 +153,7 @@ def _missing_ranks(group: Any, number: int) -> list[int] | None:
     """
     try:
         store = dist.distributed_c10d._get_default_store()
-        saved = store.timeout
+        saved = store.timeout  # type: ignore[attr-defined]  # torch has Store.timeout; its stub lacks it
         store.set_timeout(timedelta(seconds=GRACE))  # a store whose host is the stuck rank must not hang us
     except Exception:  # noqa: BLE001 - no store (not made by init_process_group): nothing to name with
         return None

@@ -31,7 +31,7 @@ from shardpoint.parallel import comm
 __all__ = ["Topology"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Topology:
     """Parallel sizes and this process's coordinates.
 
@@ -56,25 +56,37 @@ class Topology:
         (1, 1, 2)
     """
 
-    tp_size: int = 1
-    pp_size: int = 1
-    dp_size: int = None  # type: ignore[assignment]  # None: inferred in __post_init__ (always an int after it)
-    rank: int | None = None
-    ep_size: int = 1
-    etp_size: int | None = None
-    _groups: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # every field is an int once constructed: __init__ resolves the arguments that may be None
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    rank: int
+    ep_size: int
+    etp_size: int
+    _groups: dict[str, Any] = field(repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.etp_size is None:
-            object.__setattr__(self, "etp_size", self.tp_size)  # Megatron's default
-        if self.dp_size is None:
-            object.__setattr__(self, "dp_size", _inferred_dp(self.tp_size, self.pp_size))
-        for name in ("tp_size", "pp_size", "dp_size", "ep_size", "etp_size"):
-            value = getattr(self, name)
+    def __init__(
+        self,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        dp_size: int | None = None,
+        rank: int | None = None,
+        ep_size: int = 1,
+        etp_size: int | None = None,
+    ) -> None:
+        """Written out (not generated) so that the arguments may be None while the attributes are always ints."""
+        etp = tp_size if etp_size is None else etp_size  # Megatron's default
+        dp = _inferred_dp(tp_size, pp_size) if dp_size is None else dp_size
+        sizes = {"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp, "ep_size": ep_size, "etp_size": etp}
+        for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Topology {name} must be a positive integer, got {value!r}")
-        if self.rank is None:
-            object.__setattr__(self, "rank", dist.get_rank() if _initialized() else 0)
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_groups", {})
+        object.__setattr__(self, "rank", rank if rank is not None else dist.get_rank() if _initialized() else 0)
+        self._validate()
+
+    def _validate(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise TopologyMismatchError(
                 f"rank {self.rank} is outside tp={self.tp_size} x pp={self.pp_size} x dp={self.dp_size} "

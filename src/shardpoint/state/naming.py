@@ -68,21 +68,23 @@ def split_key(stored: str) -> tuple[int, str] | None:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DDP, FSDP1, ``torch.compile`` and activation-checkpoint wrappers."""
     while True:
+        inner: object
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) or _is_fsdp1(model):
-            model = model.module
+            inner = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        elif isinstance(getattr(model, "_checkpoint_wrapped_module", None), torch.nn.Module):
-            model = model._checkpoint_wrapped_module
+            inner = model._orig_mod
         else:
+            inner = getattr(model, "_checkpoint_wrapped_module", None)
+        if not isinstance(inner, torch.nn.Module):
             return model
+        model = inner
 
 
 def model_state(model: torch.nn.Module) -> Mapping[str, Any]:
     """The model's tensors under canonical keys (views of the live tensors, no copies)."""
-    inner = unwrap(model)
-    if hasattr(inner, "sharded_state_dict"):
-        return inner.sharded_state_dict()
+    sharded_state_dict = getattr(unwrap(model), "sharded_state_dict", None)  # Megatron's modules
+    if sharded_state_dict is not None:
+        return sharded_state_dict()
     return _CANONICAL.state(model)
 
 
@@ -141,7 +143,7 @@ def parameter_names(model: torch.nn.Module) -> dict[int, str]:
     """
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    names = {}
+    names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         fqns = _get_fqns(model, name)
         names.setdefault(id(param), next(iter(fqns)) if len(fqns) == 1 else name)

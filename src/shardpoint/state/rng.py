@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardpoint.errors import CheckpointError
+
 __all__ = ["capture", "restore"]
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,13 @@ CUDA = _CudaRng()
 
 def capture(generators: Mapping[str, torch.Generator] | None = None, cuda: Any = CUDA) -> dict[str, Any]:
     """The state of all global random streams plus the named ``generators``."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state()
+    if not isinstance(legacy, tuple):  # a dict: np.random.set_bit_generator replaced the global MT19937
+        raise CheckpointError(
+            f"numpy's global random state uses {legacy.get('bit_generator')}, not MT19937, so it cannot be saved "
+            "with the other random streams; keep numpy's default bit generator (MT19937) for the global stream"
+        )
+    name, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {

@@ -33,13 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from shardpoint.errors import TopologyMismatchError
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from shardpoint.parallel.topology import Topology
 
 __all__ = [
@@ -255,7 +257,7 @@ def copy_overlap(dst: Shard, src_tensor: torch.Tensor, src_offset: Sequence[int]
     return dst_view.numel()
 
 
-def is_dtensor(value: Any) -> bool:
+def is_dtensor(value: Any) -> TypeGuard[DTensor]:
     cls = _dtensor_class()
     return cls is not None and isinstance(value, cls)
 

@@ -173,7 +173,7 @@ def frozen_keys(
     """
     params = [p for p in model.parameters() if _local(p).numel()]
     untrained = [p for p in params if not p.requires_grad]
-    if _holds_model_parameters(optimizer, {id(p) for p in model.parameters()}):
+    if optimizer is not None and _holds_model_parameters(optimizer, {id(p) for p in model.parameters()}):
         optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         untrained += [p for p in params if p.requires_grad and id(p) not in optimized]
     frozen = {_local(p).data_ptr() for p in untrained}
