@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -142,11 +143,75 @@ def check_stored_items(metadata: Metadata, size_of: Callable[[str], int], where:
     more bytes than those files together (stored items are uncompressed tensors), so all
     allocations sized from ``.metadata`` together stay within the checkpoint's own size.
 
+    Every tensor and chunk is checked at once, in numpy (:func:`_all_fit`: C loops, no
+    Python step per tensor: rank 0 checks the whole job's ``.metadata``); only a
+    ``.metadata`` that fails is walked tensor by tensor, to name the first bad one.
+
     Raises:
         CorruptCheckpointError: naming the file or the tensor, and ``where``.
     """
-    sizes = _check_items_in_files(metadata, size_of, where)
-    total, claimed = sum(sizes.values()), [0, 0]
+    total = sum(_check_items_in_files(metadata, size_of, where).values())
+    if not _all_fit(metadata, total):
+        _check_each(metadata, total, where)
+
+
+def _all_fit(metadata: Metadata, total: int) -> bool:
+    """Whether every tensor's size and chunks are counts, its chunks inside it, and all together within ``total``.
+
+    False for anything unusual (a type, a length, an overflow): :func:`_check_each` then decides.
+    """
+    found = list(metadata.state_dict_metadata.values())
+    tensors = list(itertools.compress(found, map(isinstance, found, itertools.repeat(TensorStorageMetadata))))
+    try:
+        sizes = list(map(operator.attrgetter("size"), tensors))
+        itemsize = np.fromiter(map(operator.attrgetter("properties.dtype.itemsize"), tensors), np.float64, len(tensors))
+        ndim = np.fromiter(map(len, sizes), np.int64, len(tensors))
+        chunks = list(map(operator.attrgetter("chunks"), tensors))
+        counts = np.fromiter(map(len, chunks), np.int64, len(tensors))
+        every = list(itertools.chain.from_iterable(chunks))
+        starts = list(map(operator.attrgetter("offsets"), every))
+        rows = list(map(operator.attrgetter("sizes"), every))
+        if not set(map(type, itertools.chain(*sizes, *starts, *rows))) <= {int}:
+            return False  # a bool, a float, a string: not a count
+        dims = np.repeat(ndim, counts)
+        if not (_lengths(starts, dims) and _lengths(rows, dims)):
+            return False
+        size = np.fromiter(itertools.chain.from_iterable(sizes), np.int64, int(ndim.sum()))
+        start = np.fromiter(itertools.chain.from_iterable(starts), np.int64, int(dims.sum()))
+        length = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(dims.sum()))
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return False
+    if min(size.min(initial=0), start.min(initial=0), length.min(initial=0)) < 0:
+        return False
+    # each chunk's coordinates against its tensor's size, all chunks flat (in float: no wrap-around near 2**63)
+    first = np.repeat(np.cumsum(ndim) - ndim, counts)  # each chunk's tensor's first coordinate in ``size``
+    within = np.arange(len(start)) - np.repeat(np.cumsum(dims) - dims, dims)
+    limit = size[np.repeat(first, dims) + within]
+    if (start.astype(np.float64) + length > limit).any():
+        return False
+    full = _products(size.astype(np.float64), ndim) * itemsize
+    held = _products(length.astype(np.float64), dims) * np.repeat(itemsize, counts)
+    # a margin for float rounding: a .metadata within it of the bound is decided exactly
+    return bool(max(full.sum(), held.sum()) <= total * (1 - 1e-9))
+
+
+def _lengths(values: list, dims: np.ndarray) -> bool:
+    """Whether each of ``values`` has the length ``dims`` says."""
+    return np.array_equal(np.fromiter(map(len, values), np.int64, len(values)), dims)
+
+
+def _products(flat: np.ndarray, ndim: np.ndarray) -> np.ndarray:
+    """The product of each run of ``ndim`` values of ``flat`` (1 for none), in float."""
+    product = np.ones(len(ndim))
+    some = ndim > 0
+    if some.any():
+        product[some] = np.multiply.reduceat(flat, (np.cumsum(ndim) - ndim)[some])
+    return product
+
+
+def _check_each(metadata: Metadata, total: int, where: str) -> None:
+    """:func:`check_stored_items`'s tensor checks one tensor at a time: the error naming the first that fails."""
+    claimed = [0, 0]
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             for i, nbytes in enumerate(_tensor_bytes(key, md, where)):
@@ -174,8 +239,8 @@ def _check_items_in_files(metadata: Metadata, size_of: Callable[[str], int], whe
         raise CorruptCheckpointError(f"{where}: {DCP_METADATA} holds a malformed storage record ({exc})") from None
     if len(infos) and (min(offsets.min(), lengths.min()) < 0 or max(offsets.max(), lengths.max()) >= 1 << 62):
         raise CorruptCheckpointError(f"{where}: {DCP_METADATA} holds a negative or impossible offset or length")
-    index: dict[str, int] = {}
-    ids = np.fromiter((index.setdefault(name, len(index)) for name in names), np.int64, len(names))
+    index = dict(zip(dict.fromkeys(names), itertools.count()))
+    ids = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
     ends = np.zeros(len(index), np.int64)
     np.maximum.at(ends, ids, offsets + lengths)
     sizes = {name: size_of(name) for name in index}

@@ -41,7 +41,7 @@ from typing import Any
 
 from shardpoint.errors import ShardingError
 
-__all__ = ["Piece", "check_tiling", "extents", "pieces"]
+__all__ = ["Piece", "check_tiling", "extents", "pieces", "problem"]
 
 # key, offset, local shape, global shape, replica id, rank
 Piece = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int]
@@ -80,15 +80,19 @@ def check_tiling(declared: Iterable[Piece]) -> None:
     for key, found in by_key.items():
         if all(p[2] == p[3] and p[4] == 0 for p in found):
             continue  # whole tensors only (replicated): nothing to tile, the cheap usual case
-        problem = _problem(found)
-        if problem is not None:
-            problems[key] = problem
+        why = problem(found)
+        if why is not None:
+            problems[key] = why
     if problems:
         raise ShardingError(problems)
 
 
-def _problem(found: list[Piece]) -> str | None:
-    """Why one key's pieces do not tile its global shape exactly once, or None when they do."""
+def problem(found: list[Piece]) -> str | None:
+    """Why one key's pieces do not tile its global shape exactly once, or None when they do.
+
+    In Python, a step per piece: rank 0's check of every rank's boxes calls it only for the keys its
+    arrays could not settle (:mod:`shardpoint.state.box_table`), so the messages are these.
+    """
     shapes: dict[tuple[int, ...], list[int]] = {}
     for p in found:
         shapes.setdefault(p[3], []).append(p[5])

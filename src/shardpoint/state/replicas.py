@@ -8,8 +8,9 @@ silently, and every rank reads the one copy back. Megatron checks parameter hash
 across data-parallel replicas for this reason; so do we, at every save, before
 anything is committed:
 
-1. every rank sends rank 0 the boxes it holds; rank 0 checks that they tile each
-   tensor, finds the boxes several ranks hold, picks each one's writer, and sends each
+1. every rank sends rank 0 the boxes it holds, as numpy columns; rank 0 checks that they
+   tile each tensor, finds the boxes several ranks hold and picks each one's writer with
+   array operations, no Python step per box (:mod:`shardpoint.state.box_table`), and sends each
    rank only its own answer: which of its boxes are shared and which another rank
    writes, and the job's deduplicated size for the free-space check (a gather and a
    scatter: no rank receives the others' boxes, 64 MB per rank at 4096 ranks × 300
@@ -39,10 +40,10 @@ import xxhash
 
 from shardpoint.errors import ReplicaMismatchError, ShardingError
 from shardpoint.parallel import comm
-from shardpoint.state import coverage
+from shardpoint.state import box_table
 from shardpoint.state.train_state import FlatState
 
-__all__ = ["ReplicaReport", "box_of", "check_replicas", "compare", "fingerprint", "hashes_of", "settle", "survey"]
+__all__ = ["ReplicaReport", "box_of", "check_replicas", "compare", "fingerprint", "hashes_of", "settle"]
 
 _Box = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # key, offset, shape, scope
 
@@ -53,7 +54,7 @@ class ReplicaReport:
 
     ``shared`` are this rank's boxes that other ranks hold too, ``always`` those of them
     that are ``shared_if_equal`` values (hashed at every save); rank 0 found them
-    (:func:`survey`), and no rank holds the others' boxes. A later save of the same
+    (:func:`~shardpoint.state.box_table.survey`), and no rank holds the others' boxes. A later save of the same
     structure hashes them again without gathering the boxes (:func:`hashes_of`, :func:`compare`).
     """
 
@@ -92,14 +93,18 @@ def check_replicas(
     """
     boxes = [_box(key, shard, scope) for key, shard in flat.tensors.items()]
 
-    def describe() -> tuple[list, int, list]:
-        sizes = [(_nbytes(shard.tensor), key in flat.shared_if_equal) for key, shard in flat.tensors.items()]
-        local = [(box, nbytes, always) for box, (nbytes, always) in zip(boxes, sizes)]
-        rank_local_bytes = sum(_nbytes(t) for t in flat.rank_local.values())
-        return local, rank_local_bytes, coverage.extents(flat.tensors.values())
+    def describe() -> box_table.RankBoxes:
+        shards = list(flat.tensors.values())
+        return box_table.describe(
+            list(flat.tensors),
+            shards,
+            [key in flat.shared_if_equal for key in flat.tensors],
+            scope,
+            sum(_nbytes(t) for t in flat.rank_local.values()),
+        )
 
     problems, total, shared, always, elsewhere, anything = comm.plan_at_root(
-        describe, survey, "finding replicated tensors", group
+        describe, box_table.survey, "finding replicated tensors", group
     )
     if problems:
         raise ShardingError(problems)
@@ -120,64 +125,6 @@ def check_replicas(
         )
         settle(flat, found)
     return report
-
-
-def survey(gathered: list[tuple[list, int, list]]) -> list[tuple]:
-    """Rank 0's part of :func:`check_replicas`: each rank's answer from every rank's boxes, by index into its boxes."""
-    world = len(gathered)
-    try:
-        coverage.check_tiling(
-            p for r, (e, _, x) in enumerate(gathered) for p in coverage.pieces(r, (b[0] for b in e), x)
-        )
-    except ShardingError as exc:
-        return [(exc.problems, 0, (), (), (), (False, False))] * world
-    holders: dict[_Box, list[int]] = {}
-    sizes: dict[_Box, int] = {}
-    always: set[_Box] = set()
-    for rank, (entries, _, _) in enumerate(gathered):
-        for box, nbytes, shared_if_equal in entries:
-            holders.setdefault(box, []).append(rank)
-            sizes[box] = nbytes
-            if shared_if_equal:
-                always.add(box)
-    shared = {box for box, ranks in holders.items() if len(ranks) > 1}
-    writers = _writers(holders, sizes, world)
-    total = sum(sizes.values()) + sum(extra for _, extra, _ in gathered)
-    anything = (bool(shared), bool(shared & always))
-    parts = []
-    for rank, (entries, _, _) in enumerate(gathered):
-        at = [i for i, (box, _, _) in enumerate(entries) if box in shared]
-        parts.append(
-            (
-                None,
-                total,
-                at,
-                [i for i in at if entries[i][0] in always],
-                [i for i in at if writers[entries[i][0]] != rank],
-                anything,
-            )
-        )
-    return parts
-
-
-def _writers(holders: dict[_Box, list[int]], sizes: dict[_Box, int], world: int) -> dict[_Box, int]:
-    """The one rank that writes each shared box.
-
-    The holder with the fewest bytes to write so far (lowest rank on a tie), in the
-    gathered order, as DCP's central ``dedup_save_plans`` balances them; rank 0 decides
-    and each rank learns which of its boxes another rank writes, so a first save needs no
-    central planning to agree on who writes what (:mod:`shardpoint.formats.dist`).
-    """
-    load = [0] * world
-    for box, ranks in holders.items():
-        if len(ranks) == 1:
-            load[ranks[0]] += sizes[box]
-    writers = {}
-    for box, ranks in holders.items():
-        if len(ranks) > 1:
-            writers[box] = writer = min(ranks, key=lambda r: (load[r], r))
-            load[writer] += sizes[box]
-    return writers
 
 
 def box_of(key: str, shard: Any, scope: tuple[int, ...] = ()) -> _Box:
