@@ -31,7 +31,11 @@ import pytest
 from markdown_it import MarkdownIt
 
 ROOT = Path(__file__).parent.parent
-PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
+PAGES = [
+    page
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    if "_build" not in page.parts and "```python" in page.read_text()
+]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(setup|check|skip|is)\b(.*?)-->", re.S)
 STORE = re.compile(r"\b(s3|gs|az)://bucket\b")  # a page's object store: the emulator's bucket "bucket"
 # runs each (page, line, code) in one namespace, compiled so that tracebacks name the page's own lines
