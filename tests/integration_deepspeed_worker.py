@@ -333,16 +333,57 @@ def async_save_killed(rank: int, world: int, directory: str) -> dict[str, Any]:
     return {}
 
 
+def engine_mode_preempted(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Engine mode with async_save: uninterrupted for 6 steps, then SIGTERM to rank 1 during step 3.
+
+    Engine mode keeps DeepSpeed's files, where ``client_state`` comes from data-parallel
+    rank 0 only: the batches here depend on the step and rank alone, not on an RNG.
+    """
+    import signal
+
+    from shardpoint.integrations.deepspeed import SaveOnPreemption, use
+
+    uninterrupted = train(engine(2), 6)
+    eng = engine(2)
+    use(eng, async_save=True)
+    stopped = None
+    with SaveOnPreemption(eng, directory, client_state=lambda: {"iteration": eng.global_steps}) as p:
+        for step in range(6):
+            train(eng, 1, step)
+            if step == 2 and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if p.check():
+                stopped = step + 1
+                break
+    return {"uninterrupted": uninterrupted, "stopped": stopped, "latest": _latest(directory)}
+
+
+def resume_engine_mode(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A fresh engine (other seed) resumes the engine-mode run preempted at step 3 and trains to step 6."""
+    from shardpoint.integrations.deepspeed import use
+
+    eng = engine(2, seed=1)
+    use(eng)
+    _, client = eng.load_checkpoint(directory)
+    done = client["iteration"]
+    return {"iteration": done, "losses": train(eng, 6 - done, done)}
+
+
 def in_background_then_preempted(
-    rank: int, world: int, directory: str, stock_dir: str, remote: str, preempted_dir: str
+    rank: int, world: int, directory: str, stock_dir: str, remote: str, preempted_dir: str, engine_dir: str | None
 ) -> dict[str, Any]:
-    """:func:`engine_in_background`, then :func:`preempted`, in one launch."""
+    """:func:`engine_in_background`, then :func:`preempted` (and :func:`engine_mode_preempted`), in one launch."""
     return {
         "background": engine_in_background(rank, world, directory, stock_dir, remote),
         "preempted": preempted(rank, world, preempted_dir),
+        "engine_preempted": engine_mode_preempted(rank, world, engine_dir) if engine_dir else None,
     }
 
 
-def resume_all(rank: int, world: int, preempted_dir: str, killed_dir: str) -> dict[str, Any]:
-    """One launch for both restarts: the preempted run (reshardable) and the one killed mid async save (engine mode)."""
-    return {"preempted": resume_preempted(rank, world, preempted_dir), "killed": load_ours(rank, world, killed_dir, 2)}
+def resume_all(rank: int, world: int, preempted_dir: str, killed_dir: str, engine_dir: str | None) -> dict[str, Any]:
+    """One launch for the restarts: the preempted runs (reshardable, engine mode) and the one killed mid async save."""
+    return {
+        "preempted": resume_preempted(rank, world, preempted_dir),
+        "killed": load_ours(rank, world, killed_dir, 2),
+        "engine_preempted": resume_engine_mode(rank, world, engine_dir) if engine_dir else None,
+    }

@@ -46,6 +46,7 @@ from tests.integration_deepspeed_worker import (
 # DeepSpeed is imported by the ranks (and by two tests), not at collection: its import takes seconds
 pytestmark = pytest.mark.skipif(find_spec("deepspeed") is None, reason="DeepSpeed is in the test extra")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # for this process's own imports of DeepSpeed
+FULL_RUN = os.environ.get("SHARDPOINT_DEEPSPEED_FULL") == "1"  # the longer variants
 
 TAG = "global_step3"
 
@@ -174,7 +175,7 @@ def resharded(tmp_path_factory):
 
 # dp=4: 4 ranks on CI's 2 cores (13 s on a loaded 2-core machine), outside CI's time budget:
 # SHARDPOINT_DEEPSPEED_FULL=1 runs it
-FULL = pytest.mark.skipif(os.environ.get("SHARDPOINT_DEEPSPEED_FULL") != "1", reason="SHARDPOINT_DEEPSPEED_FULL=1")
+FULL = pytest.mark.skipif(not FULL_RUN, reason="SHARDPOINT_DEEPSPEED_FULL=1")
 
 
 @pytest.mark.parametrize("world, stage", [(1, 2), (1, 1), (1, 3), (2, 3), pytest.param(4, 1, marks=FULL)])
@@ -223,10 +224,12 @@ def backgrounds(tmp_path_factory, request):
     remote = s3.make_bucket("deepspeed-engine-upload") + "/run"
     root = tmp_path_factory.mktemp("ds-background")
     directory, stock, stopped = root / "run", root / "stock", root / "preempted"
+    engine_dir = str(root / "engine-preempted") if FULL_RUN else None  # engine mode's SIGTERM: the long variant
     env = {**ENV, **s3.env}
-    args = (str(directory), str(stock), remote, str(stopped))
+    args = (str(directory), str(stock), remote, str(stopped), engine_dir)
     results = launch(in_background_then_preempted, 2, *args, env=env, backend="gloo")
-    return directory, stock, remote, [r["background"] for r in results], stopped, [r["preempted"] for r in results]
+    stopped_runs = [{**r["preempted"], "engine": r["engine_preempted"], "engine_dir": engine_dir} for r in results]
+    return directory, stock, remote, [r["background"] for r in results], stopped, stopped_runs
 
 
 def test_engine_mode_async_commits_when_written_keeps_last_and_uploads(backgrounds):
@@ -266,7 +269,9 @@ def test_engine_mode_sigkill_during_async_save_leaves_latest_on_previous_tag(tmp
     assert not (killed / "global_step4").exists()
     # one launch restarts both: this run (engine mode) and the preempted one (reshardable mode)
     expected = torch.load(killed / "expected_0.pt")
-    for rank, result in enumerate(launch(resume_all, 2, str(stopped), str(killed), env=ENV, backend="gloo")):
+    engine_dir = stopped_run[0]["engine_dir"]
+    resumed = launch(resume_all, 2, str(stopped), str(killed), engine_dir, env=ENV, backend="gloo")
+    for rank, result in enumerate(resumed):
         loaded = result["killed"]
         assert "error" not in loaded, loaded.get("error")
         assert loaded["iteration"] == 2
@@ -277,6 +282,10 @@ def test_engine_mode_sigkill_during_async_save_leaves_latest_on_previous_tag(tmp
         assert run["stopped"] == 3 and run["latest"] == "global_step3"
         assert result["preempted"]["iteration"] == 3
         assert result["preempted"]["losses"] == run["uninterrupted"][3:]
+        if engine_dir:  # the same through engine mode with async_save: committed before the loop ended
+            assert run["engine"]["stopped"] == 3 and run["engine"]["latest"] == "global_step3"
+            assert result["engine_preempted"]["iteration"] == 3
+            assert result["engine_preempted"]["losses"] == run["engine"]["uninterrupted"][3:]
 
 
 def test_convert_to_deepspeed_writes_files_deepspeeds_own_loader_reads_exactly(resharded, converted, stock_loaded):
