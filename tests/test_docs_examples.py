@@ -34,7 +34,7 @@ ROOT = Path(__file__).parent.parent
 PAGES = [
     page
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    if "_build" not in page.parts and "```python" in page.read_text()
+    if "_build" not in page.parts and re.search(r"^```python$", page.read_text(), re.M)
 ]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(setup|check|skip|is)\b(.*?)-->", re.S)
 STORE = re.compile(r"\b(s3|gs|az)://bucket\b")  # a page's object store: the emulator's bucket "bucket"
@@ -109,3 +109,19 @@ def _make_bucket(server) -> None:
     if not getattr(server, "docs_bucket", False):
         server.make_bucket("bucket")
         server.docs_bucket = True
+
+
+# the API reference's docstring examples that are whole (the others are fragments of a training loop)
+DOCTESTED = ["shardpoint.parallel.topology", "shardpoint.state.sharding"]
+
+
+@pytest.mark.parametrize("module", DOCTESTED)
+def test_the_reference_examples_run(module):
+    import doctest
+    import importlib
+
+    import shardpoint as sp
+
+    names = {"sp": sp, **{n: getattr(sp, n) for n in sp.__all__ if n != "__version__"}}
+    result = doctest.testmod(importlib.import_module(module), extraglobs=names, optionflags=doctest.ELLIPSIS)
+    assert result.attempted and not result.failed
