@@ -239,11 +239,23 @@ def engine_in_background(rank: int, world: int, directory: str, stock_dir: str, 
     """
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+    from shardpoint.errors import CheckpointError
     from shardpoint.integrations.deepspeed import use
 
     eng = engine(2)
     ours = use(eng, async_save=True, keep_last=2, upload_to=remote)
-    seen: dict[str, Any] = {"stalls": []}
+    seen: dict[str, Any] = {"refused": []}
+    if rank == 0:  # a tag another tool wrote (no shardpoint.json): never written over
+        os.makedirs(f"{directory}/global_step1")
+        Path(f"{directory}/global_step1/theirs.pt").write_bytes(b"theirs")
+    torch.distributed.barrier()
+    # keep_last and upload_to read DeepSpeed's default tag names: another is refused too. Each refusal
+    # reaches every rank and leaves nothing pending (the steps after it commit nothing)
+    for tag in ("final", "global_step1"):
+        try:
+            eng.save_checkpoint(directory, tag=tag)
+        except CheckpointError as exc:
+            seen["refused"].append(str(exc))
     train(eng, 2)
     eng.save_checkpoint(directory, tag="global_step2", client_state={"iteration": 2})
     train(eng, 2, 2)

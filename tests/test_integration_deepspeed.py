@@ -235,6 +235,9 @@ def backgrounds(tmp_path_factory, request):
 def test_engine_mode_async_commits_when_written_keeps_last_and_uploads(backgrounds):
     directory, stock, remote, seen, *_ = backgrounds
     for rank in seen:
+        named, foreign = rank["refused"]
+        assert "'final'" in named and "global_step<N>" in named
+        assert "global_step1" in foreign
         # save_checkpoint returned (and a step trained) with global_step4 still being written:
         # latest moved only at its commit
         assert rank["latest_after_return"] == rank["latest_after_step"] == "global_step2"
@@ -247,7 +250,8 @@ def test_engine_mode_async_commits_when_written_keeps_last_and_uploads(backgroun
         assert mine[name] == data, f"{name} written async differs from DeepSpeed's own engine's"
     # keep_last=2 here and at upload_to; nothing staged is left behind
     tags = sorted(p.name for p in directory.iterdir() if p.is_dir())
-    assert tags == ["global_step4", "global_step6"], tags
+    assert tags == ["global_step1", "global_step4", "global_step6"], tags  # nothing staged left either
+    assert (directory / "global_step1" / "theirs.pt").read_bytes() == b"theirs"
     from shardpoint.storage.base import open_storage
 
     store = open_storage(remote)

@@ -131,7 +131,6 @@ class ShardpointCheckpointEngine(CheckpointEngine):
         config = dict(self.options.config)
         request = SaveRequest(staged, self._iteration(staged.tag), save_latest, config, self._topology())
         self.pending.begin(request)  # the previous save committed first
-        staged.begin()
         self._staged = staged
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:

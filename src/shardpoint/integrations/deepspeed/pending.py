@@ -94,7 +94,7 @@ class PendingSaves:
         return self._request is not None or (self.mirror is not None and self.mirror.busy)
 
     def begin(self, request: SaveRequest) -> None:
-        """Every rank, in ``create``: finish what is pending, then hold ``request`` until its commit."""
+        """Every rank, in ``create``: finish what is pending, start the staged tag, hold ``request`` till its commit."""
         self.poll(blocking=True)
         if (self.policies or self.mirror is not None) and LAYOUT.parse_dir_name(request.staged.tag) is None:
             raise CheckpointError(
@@ -103,6 +103,7 @@ class PendingSaves:
             )
         if self.mirror is not None and comm.rank() == 0:
             self.mirror.prepare(request.staged.tag)
+        request.staged.begin()  # a refused tag leaves nothing pending
         self._request = request
 
     def write(self, state_dict: Any, path: str, zipfile_serialization: bool) -> None:
