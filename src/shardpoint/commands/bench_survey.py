@@ -10,8 +10,8 @@ with array operations (:func:`~shardpoint.state.box_table.survey`).
 Both are measured on the same simulated job: N ranks, each holding 300 ``Shard(0)``
 parameters (``64 × 1024`` float32 rows of an ``[N·64, 1024]`` tensor). Rank 0's time
 counts unpickling what it received (as its gather does) and the check; its peak extra
-memory is what it received plus the peak ``tracemalloc`` sees while it unpickles and
-checks; another rank's is its own message and its answer.
+memory is what it received plus the growth of its resident memory while it unpickles
+and checks (Linux's high-water mark); another rank's is its own message and its answer.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import gc
 import pickle
 import time
-import tracemalloc
 from typing import Any
 
+from shardpoint.commands.bench_timing import peak_memory
 from shardpoint.errors import ShardingError
 from shardpoint.state import box_table, coverage
 
@@ -42,15 +42,14 @@ def simulate_check(world: int, params: int = 300, before: bool = True) -> dict[s
 def _measured(label: str, messages: list[bytes], survey: Any) -> dict[str, Any]:
     """Rank 0 unpickles every rank's message and checks them all; the seconds and the memory of each part."""
     gc.collect()
-    tracemalloc.start()
-    start = time.perf_counter()
-    gathered = [pickle.loads(m) for m in messages]  # made by this process
-    received = time.perf_counter() - start
-    start = time.perf_counter()
-    parts = survey(gathered)
-    checked = time.perf_counter() - start
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    with peak_memory() as memory:
+        start = time.perf_counter()
+        gathered = [pickle.loads(m) for m in messages]  # made by this process
+        received = time.perf_counter() - start
+        start = time.perf_counter()
+        parts = survey(gathered)
+        checked = time.perf_counter() - start
+    peak = memory.extra
     other = len(messages[-1]) + len(pickle.dumps(parts[-1]))
     sent = sum(map(len, messages))
     del gathered, parts

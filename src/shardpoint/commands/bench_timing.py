@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["slowest", "timed"]
+__all__ = ["PeakMemory", "peak_memory", "slowest", "timed"]
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -26,3 +27,32 @@ def slowest(value: float) -> float:
     box = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(box, op=dist.ReduceOp.MAX)
     return float(box)
+
+
+class PeakMemory:
+    """What :func:`peak_memory` found: the process's resident bytes at most above what it held at the start."""
+
+    extra: int = 0
+
+
+@contextlib.contextmanager
+def peak_memory() -> Iterator[PeakMemory]:
+    """The peak extra resident memory of the block, from Linux's high-water mark (reset first; no tracing cost).
+
+    ``extra`` stays 0 where ``/proc/self/clear_refs`` cannot be written (not Linux).
+    """
+    found = PeakMemory()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark back to the current size
+        before = _status("VmRSS")
+    except OSError:
+        yield found
+        return
+    yield found
+    found.extra = max(0, _status("VmHWM") - before)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))

@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from shardpoint.commands import bench_survey
+from shardpoint.commands.bench_timing import peak_memory
+
 __all__ = ["simulate_load", "simulate_planning"]
 
 _ROWS, _COLUMNS = 64, 1024
@@ -51,17 +54,51 @@ def simulate_planning(counts: list[int], params: int = 300) -> tuple[list[dict[s
 
 
 def simulate_load(stream: bytes, world: int, params: int) -> dict[str, Any]:
-    """Rank 0's part of a load's plan at ``world`` ranks, of the ``.metadata`` ``stream`` saved at the same ranks."""
+    """Rank 0's part of a load's plan at ``world`` ranks, of the ``.metadata`` ``stream`` saved at the same ranks.
+
+    Before: rank 0 unpickles ``.metadata`` and plans from it; today: it reads the
+    checkpoint's ``.chunk_index`` (columns, no pickle) and plans from its arrays. Each
+    rank receives the outline and its own part either way.
+    """
+    import xxhash
+
+    from shardpoint.catalog.metadata import FileRecord
+    from shardpoint.formats import chunk_index
+
+    row: dict[str, Any] = {"ranks": world}
+    with peak_memory() as memory:
+        start = time.perf_counter()
+        metadata = pickle.loads(stream)  # made by this process (simulate_planning)
+        row["unpickling .metadata s (before)"] = time.perf_counter() - start
+        seconds, parts, outline = _plan(metadata, world)
+    row["load plan s (before)"] = seconds
+    record = FileRecord(len(stream), xxhash.xxh3_64_hexdigest(stream))
+    index = chunk_index.encode(chunk_index.ChunkIndex.from_metadata(metadata, "simulated"), record)
+    _memory(row, "before", len(stream) + memory.extra, len(pickle.dumps(outline)) + _largest(parts))
+    del metadata, parts
+    gc.collect()
+    with peak_memory() as memory:
+        start = time.perf_counter()
+        found = chunk_index.decode(index, chunk_index.INDEX_NAME, record, lambda name: 1 << 60)
+        row["reading the index s (today)"] = time.perf_counter() - start
+        seconds, parts, _ = _plan(found, world)
+    row["load plan s (today)"] = seconds
+    _memory(row, "today", len(index) + memory.extra, len(pickle.dumps(found.outline)) + _largest(parts))
+    row[".metadata MB"], row[".chunk_index MB"] = len(stream) / 1e6, len(index) / 1e6
+    row["chunks per rank"] = len(parts[-1].positions)
+    return row
+
+
+def _plan(chunks: Any, world: int) -> tuple[float, list, Any]:
+    """Rank 0's plan of every rank's part from ``chunks`` (a ``Metadata`` or a chunk index): seconds, parts, outline."""
     import numpy as np
 
     from shardpoint.formats import load_parts
     from shardpoint.formats.base import wanted_summary
+    from shardpoint.formats.chunk_index import ChunkIndex
     from shardpoint.formats.dcp_metadata import outline_of
 
-    start = time.perf_counter()
-    metadata = pickle.loads(stream)  # made by this process (simulate_planning)
-    unpickle = time.perf_counter() - start
-    outline = outline_of(metadata)
+    outline = chunks.outline.metadata() if isinstance(chunks, ChunkIndex) else outline_of(chunks)
     saved = sorted(outline.state_dict_metadata)
     keys = wanted_summary(saved, saved)
     ids = np.arange(len(saved), dtype=np.int32)
@@ -71,25 +108,18 @@ def simulate_load(stream: bytes, world: int, params: int) -> dict[str, Any]:
         boxes[:, 0, 0], boxes[:, 1] = rank * _ROWS, (_ROWS, _COLUMNS)
         usable = np.ones(len(saved), np.bool_)
         requests.append(load_parts.Request(keys, ids.tobytes(), usable.tobytes(), boxes.tobytes(), ("cuda",)))
-    gathered = sum(len(pickle.dumps(request)) for request in requests)
     start = time.perf_counter()
-    parts = load_parts.plan(metadata, requests, True, 1 << 30, "simulated")
-    seconds = time.perf_counter() - start
-    received = len(pickle.dumps(outline)) + max(len(pickle.dumps(part)) for part in parts)
-    start = time.perf_counter()
-    parts[-1].metadata(outline, saved)
-    rebuild = time.perf_counter() - start
-    return {
-        "ranks": world,
-        "load: rank-0 plan s": seconds,
-        "unpickling .metadata s (rank 0; before: every rank)": unpickle,
-        "gathered MB": gathered / 1e6,
-        "received per rank KB": received / 1e3,
-        "before: received per rank KB (.metadata)": len(stream) / 1e3,
-        "received ratio": received / len(stream),
-        "per-rank rebuild ms": rebuild * 1e3,
-        "chunks per rank": len(parts[-1].positions),
-    }
+    parts = load_parts.plan(chunks, requests, True, 1 << 30, "simulated")
+    return time.perf_counter() - start, parts, outline
+
+
+def _largest(parts: list) -> int:
+    return max(len(pickle.dumps(part)) for part in parts)
+
+
+def _memory(row: dict[str, Any], label: str, root: int, other: int) -> None:
+    row[f"rank-0 peak MB ({label})"] = root / 1e6
+    row[f"other rank KB ({label})"] = other / 1e3
 
 
 def _one(world: int, params: int) -> tuple[dict[str, Any], bytes]:
@@ -135,35 +165,8 @@ def _one(world: int, params: int) -> tuple[dict[str, Any], bytes]:
         "peak / .metadata": (records_bytes + peak) / metadata_bytes,
         "replayed save: rank-0 planning s": replayed_seconds,
     }
-    row.update(_start_round(world, params))
+    row.update(bench_survey.simulate_check(world, params))
     return row, b"".join(chunks)
-
-
-def _start_round(world: int, params: int) -> dict[str, Any]:
-    """The first save's replica and coverage check on rank 0 (every rank ran it before, on all-gathered boxes)."""
-    from shardpoint.state.replicas import survey
-
-    nbytes = _ROWS * _COLUMNS * 4
-    extents = [((world * _ROWS, _COLUMNS), 0)] * params
-    boxes = [
-        (
-            [
-                ((f"model.layers.{p}.weight", (r * _ROWS, 0), (_ROWS, _COLUMNS), ()), nbytes, False)
-                for p in range(params)
-            ],
-            0,
-            extents,
-        )
-        for r in range(world)
-    ]
-    start = time.perf_counter()
-    parts = survey(boxes)
-    seconds = time.perf_counter() - start
-    return {
-        "start round: rank-0 check s (before: every rank)": seconds,
-        "start round: received per rank B (before: all-gathered)": f"{len(pickle.dumps(parts[-1]))} "
-        f"({world * len(pickle.dumps(boxes[-1]))})",
-    }
 
 
 def _local_plan(rank: int, world: int, params: int) -> Any:

@@ -134,19 +134,61 @@ def report(scale: list[int], simulate: list[int], repeat: int, as_json: bool, qu
         reads = found["bytes read per stored byte"]
         out.print("bytes read per stored byte at load: " + ", ".join(f"{k} {v:.2f}" for k, v in reads.items()))
     if "planning" in found:
-        _print_rows(out, found["planning"], "rank-0 planning of one save, simulated (300 tensors per rank)")
-        title = "a load of that checkpoint at the same ranks, simulated: rank 0 plans, each rank gets its part"
-        _print_rows(out, found["load planning"], title)
+        _print_simulated(out, found["planning"], found["load planning"])
     return 0
 
 
-def _print_rows(out: Any, rows: list[dict[str, Any]], title: str) -> None:
+def _print_simulated(out: Any, saves: list[dict[str, Any]], loads: list[dict[str, Any]]) -> None:
+    """The simulated save and load, before beside today, a row per rank count."""
     from shardpoint.commands._output import new_table
 
-    columns = list(rows[0])
-    table = new_table(*columns, title=title)
-    for row in rows:
-        table.add_row(*(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
+    def pair(row: dict[str, Any], name: str, unit: str = "", digits: int = 2) -> str:
+        return f"{row[f'{name} (before)']:.{digits}f} / {row[f'{name} (today)']:.{digits}f}{unit}"
+
+    table = new_table(
+        "ranks",
+        "planning s (sp / DCP)",
+        "check s",
+        "unpickling received s",
+        "gathered MB",
+        "rank-0 peak MB",
+        "other rank KB",
+        title="first save, rank 0, simulated (300 tensors per rank): before / today",
+    )
+    for row in saves:
+        table.add_row(
+            str(row["ranks"]),
+            f"{row['first save: rank-0 planning s']:.2f} / {row['DCP first save: rank-0 planning s']:.2f}",
+            pair(row, "check s"),
+            pair(row, "unpickling s"),
+            pair(row, "gathered MB", digits=0),
+            pair(row, "rank-0 peak MB", digits=0),
+            pair(row, "other rank KB", digits=1),
+        )
+    out.print(table)
+    table = new_table(
+        "ranks",
+        "read s",
+        "plan s",
+        "until reads begin s",
+        "rank-0 peak MB",
+        "other rank KB",
+        "file MB",
+        title="a load of that checkpoint at the same ranks, rank 0 plans every rank's part: before / today "
+        "(before: .metadata unpickled; today: .chunk_index read)",
+    )
+    for row in loads:
+        read = (row["unpickling .metadata s (before)"], row["reading the index s (today)"])
+        plan = (row["load plan s (before)"], row["load plan s (today)"])
+        table.add_row(
+            str(row["ranks"]),
+            f"{read[0]:.2f} / {read[1]:.2f}",
+            pair(row, "load plan s"),
+            f"{read[0] + plan[0]:.2f} / {read[1] + plan[1]:.2f}",
+            pair(row, "rank-0 peak MB", digits=0),
+            pair(row, "other rank KB", digits=1),
+            f"{row['.metadata MB']:.0f} / {row['.chunk_index MB']:.0f}",
+        )
     out.print(table)
 
 
