@@ -125,16 +125,7 @@ def load_stock_and_converted(rank: int, world: int, directory: str, converted: s
     """:func:`load_stock` of ``directory``, then DeepSpeed's own engine loads ``convert --to deepspeed``'s files."""
     stock = load_stock(rank, world, directory, stage)
     eng = engine(stage, seed=1)
-    path, client = eng.load_checkpoint(converted)
-    state = {
-        "path": path,
-        "client": client,
-        "state": full_state(eng),
-        "params": params(eng),
-        "step": int(next(iter(eng.optimizer.optimizer.state.values()))["step"]),
-        "global_steps": eng.global_steps,
-    }
-    return {"stock": stock, "converted": state}
+    return {"stock": stock, "converted": _loaded(eng, *eng.load_checkpoint(converted))}
 
 
 def load_ours(rank: int, world: int, directory: str, stage: int, options: dict | None = None) -> dict[str, Any]:
@@ -204,12 +195,24 @@ def reshard_save(rank: int, world: int, directory: str, stage: int) -> dict[str,
     }
 
 
-def reshard_load(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
-    """A fresh engine (other seed) at ``world`` ranks loads the reshardable checkpoint."""
+def reshard_load(rank: int, world: int, directory: str, stage: int, stock: str | None = None) -> dict[str, Any]:
+    """A fresh engine (other seed) at ``world`` ranks loads the reshardable checkpoint.
+
+    With ``stock``, another fresh engine then loads that directory of DeepSpeed's own files
+    with DeepSpeed's own engine (``result["stock"]``), in the same launch.
+    """
     from shardpoint.integrations.deepspeed import load_checkpoint
 
     eng = engine(stage, seed=1)
     path, client = load_checkpoint(eng, directory)
+    result = _loaded(eng, path, client)
+    if stock is not None:
+        other = engine(stage, seed=1)
+        result["stock"] = _loaded(other, *other.load_checkpoint(stock))
+    return result
+
+
+def _loaded(eng: Any, path: str, client: dict[str, Any]) -> dict[str, Any]:
     return {
         "path": path,
         "client": client,

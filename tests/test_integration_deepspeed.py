@@ -91,6 +91,20 @@ def converted(resharded, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def redp(both, tmp_path_factory):
+    """DeepSpeed's own dp=2 ZeRO-2 files (no shardpoint in them) rewritten for dp=1, which DeepSpeed refuses to load."""
+    from shardpoint.cli import main
+
+    stock, *_ = both
+    out = tmp_path_factory.mktemp("redp") / "ds"
+    assert main(["convert", "--from", "deepspeed", "--to", "deepspeed", str(stock), str(out), "--dp", "1"]) == 0
+    assert sorted(p.name for p in (out / "global_step3").iterdir() if p.name.startswith("zero_pp")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    ]
+    return out
+
+
+@pytest.fixture(scope="module")
 def stock_loaded(both, converted):
     """DeepSpeed's own engine (no shardpoint) loads shardpoint's files and trains two more steps (and, in the
     same launch, loads what ``convert --to deepspeed`` wrote)."""
@@ -179,11 +193,18 @@ FULL = pytest.mark.skipif(not FULL_RUN, reason="SHARDPOINT_DEEPSPEED_FULL=1")
 
 
 @pytest.mark.parametrize("world, stage", [(1, 2), (1, 1), (1, 3), (2, 3), pytest.param(4, 1, marks=FULL)])
-def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded, world, stage):
+def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded, world, stage, request):
     directory, saved = resharded
     assert (directory / "latest").read_text() == "global_step3"
     assert json.loads((directory / "global_step3" / "shardpoint.json").read_text())["format"] == "dist"
-    results = launch(reshard_load, world, str(directory), stage, env=ENV, backend="gloo")
+    # at dp=1 ZeRO-2 the same launch loads DeepSpeed's own dp=2 files rewritten for dp=1 (convert, below)
+    stock = str(request.getfixturevalue("redp")) if (world, stage) == (1, 2) else None
+    results = launch(reshard_load, world, str(directory), stage, stock, env=ENV, backend="gloo")
+    if stock is not None:  # the same training run as the reshardable save's (same seeds, batches, steps)
+        result = results[0]["stock"]
+        _same(result["state"], saved[0]["state"])
+        _same(result["params"], saved[0]["params"])
+        assert result["step"] == result["global_steps"] == 3
     for result in results:
         _same(result["state"], saved[0]["state"])  # fp32 masters and both Adam moments, every element
         _same(result["params"], saved[0]["params"])
