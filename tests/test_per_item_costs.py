@@ -342,7 +342,7 @@ def test_the_bounds_check_of_metadata_makes_no_python_call_per_tensor(saved_by):
 @pytest.mark.parametrize(
     "damage,says",
     [
-        ("size", r"with 'model\.t00002' \(size \(8, 4096\)\), \.metadata describes more tensor bytes than the 6000 bytes"),
+        ("size", r"'model\.t00002' \(size \(8, 4096\)\), \.metadata describes more tensor bytes than the 6000 bytes"),
         ("outside", r"places a chunk of 'model\.t00002' outside its size \(8, 16\)"),
         ("negative", r"gives a chunk of 'model\.t00002' a negative size"),
         ("float", r"gives 'model\.t00002' or one of its chunks a size or an offset that is not a count"),

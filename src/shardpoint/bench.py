@@ -142,7 +142,7 @@ class Methods:
         path = self.fresh("dcp_async")
         start = time.perf_counter()
         future = dcp.async_save(self._dtensors(self.state), checkpoint_id=path, process_group=self._dcp_group)
-        return time.perf_counter() - start, future.result
+        return time.perf_counter() - start, future.result  # type: ignore[union-attr]
 
     def dcp_load(self) -> None:
         import torch.distributed.checkpoint as dcp
@@ -158,7 +158,7 @@ class Methods:
         name = "sp_async" if async_save else "sp"
         topo, state = self._sharded(self.state)
         if not hasattr(self, "_ckpts"):
-            self._ckpts = {}
+            self._ckpts: dict[str, Any] = {}
         if name not in self._ckpts:
             self._ckpts[name] = sp.Checkpointer(
                 self.path(name), topology=topo, async_save=async_save, keep_last=self.keep_last
@@ -329,7 +329,8 @@ def _bytes_written(root: str, rank: int) -> int:
 
     storage = open_storage(root)
     entries = [e for e in commit.list_checkpoints(storage, storage.root, get_layout("megatron")) if e.committed]
-    return sum(r.size for name, r in entries[-1].meta.files.items() if name.startswith(f"__{rank}_"))
+    files = entries[-1].meta.files  # type: ignore[union-attr]  # committed: its marker was read
+    return sum(int(r.size) for name, r in files.items() if name.startswith(f"__{rank}_"))
 
 
 def _launch(world: int, config: dict[str, Any], root: str, phase: str) -> list[dict[str, list[float]]]:

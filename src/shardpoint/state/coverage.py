@@ -112,7 +112,7 @@ def problem(found: list[Piece]) -> str | None:
     overlap = _first_overlap(list(holders))
     if overlap is not None:
         a, b = overlap
-        both = _intersection(a, b)
+        both = _intersection(a, b) or ((), ())  # not empty: _first_overlap returns boxes that intersect
         return (
             f"{_region(*both)} is declared twice: by rank(s) {_ranks(holders[a])} as {_region(*a)} and by "
             f"rank(s) {_ranks(holders[b])} as {_region(*b)}"
