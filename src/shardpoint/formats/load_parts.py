@@ -257,11 +257,9 @@ def _shared_parts(
 ) -> list[Part]:
     needs = read_plan.Needs.from_columns(world, ranks, at, table.length[at], exact)
     paths = [path for path, _ in table.files]
-    files = [paths[i] if i >= 0 else "" for i in table.file.tolist()]
+    files = read_plan.Files(table.file, paths)  # no string per chunk (1.2 million at 4096 ranks)
     readers = read_plan.plan_reads(needs, files)
-    items = needs.items()
-    sizes = dict(zip(items.tolist(), table.nbytes[items].tolist()))
-    receivers = read_plan.plan_sharing(needs, files, sizes, budget, readers)
+    receivers = read_plan.plan_sharing(needs, files, table.nbytes, budget, readers)
     reader_of_file = np.array([readers.get(path, -1) for path in paths] or [-1], np.int64)
     pairs = [position * world + rank for position, taken in receivers.items() for rank in taken]
     receiving = np.isin(at * world + ranks, np.array(pairs, np.int64))
@@ -287,7 +285,9 @@ def _shared_parts(
 
 
 def _part(table: _Table, positions: np.ndarray, missing: list[str], unexpected: list[str]) -> Part:
-    used, file = np.unique(table.file[positions], return_inverse=True)
+    stored = table.file[positions]
+    used = read_plan.distinct(np.sort(stored))
+    file = np.searchsorted(used, stored)
     return Part(
         positions=positions,
         keys=table.key_of(positions),
@@ -366,7 +366,7 @@ def _band_pairs(
     if not len(starts) or not len(box_starts):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     ends, box_ends = starts + sizes, box_starts + box_sizes
-    d = int(np.argmax([len(set(starts[:, i].tolist())) for i in range(starts.shape[1])]))
+    d = int(np.argmax((np.diff(np.sort(starts, axis=0), axis=0) != 0).sum(axis=0)))  # the most distinct starts
     order = np.argsort(starts[:, d], kind="stable")
     along = starts[order, d]
     reach = int(sizes[:, d].max())  # a chunk starting at or before box_start - reach ends before the box
