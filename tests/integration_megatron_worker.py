@@ -27,8 +27,15 @@ class Job:
     args: Any
 
 
-def build(tp: int, pp: int = 1, *, seed: int = 1234) -> Job:
-    """parallel_state at (tp, pp, dp = world / tp / pp), a GPTModel, DDP and the distributed optimizer."""
+def build(
+    tp: int, pp: int = 1, *, seed: int = 1234, distributed: bool = True, bf16: bool = False, qk_layernorm: bool = False
+) -> Job:
+    """parallel_state at (tp, pp, dp = world / tp / pp), a GPTModel, DDP and the optimizer.
+
+    ``distributed``: megatron-core's DistributedOptimizer, else its FP32Optimizer (or with
+    ``bf16`` its Float16OptimizerWithFloat16Params over fp32 master copies).
+    ``qk_layernorm``: layer norms on queries and keys, i.e. 2 more parameters per layer.
+    """
     integration_megatron_cpu.install()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -37,6 +44,7 @@ def build(tp: int, pp: int = 1, *, seed: int = 1234) -> Job:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -57,20 +65,24 @@ def build(tp: int, pp: int = 1, *, seed: int = 1234) -> Job:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qk_layernorm),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
+    if bf16:
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False), model
+        config, DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False), model
     )
     opt_config = OptimizerConfig(
-        optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, use_distributed_optimizer=True
+        optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, use_distributed_optimizer=distributed, bf16=bf16
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     scheduler = OptimizerParamScheduler(
@@ -122,7 +134,9 @@ def args(root: str, **over: Any) -> Any:
         save_retain_interval=None, dist_ckpt_strictness="assume_ok_unexpected", use_checkpoint_args=False,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
         num_layers=LAYERS, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=None,
-        ckpt_fully_parallel_save=True,
+        ckpt_fully_parallel_save=True, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        data_parallel_size=1, transformer_impl="local", untie_embeddings_and_output_weights=True,
+        use_distributed_optimizer=True, iteration=0,
     )  # fmt: skip
     values["rank"] = torch.distributed.get_rank()  # as in Megatron's args: they differ by rank
     values.update(over)
@@ -133,18 +147,20 @@ def full_state(job: Job) -> dict[str, torch.Tensor]:
     """Every model tensor and Adam moment at full size, under the integration's keys (gathered on every rank)."""
     import torch.distributed as dist
 
-    from shardpoint.integrations.megatron.state import DistributedOptimizerState, MegatronModel
+    from shardpoint.integrations.megatron.state import MegatronModel, optimizer_state
 
     model = MegatronModel(job.model).sharded_state_dict()
-    optim = DistributedOptimizerState(job.optimizer).sharded_state_dict({"model." + k: v for k, v in model.items()})
+    optim = optimizer_state(job.optimizer).sharded_state_dict({"model." + k: v for k, v in model.items()})
     out = {}
     for prefix, shards in (("model.", model), ("optimizer.state.", optim)):
         for key, shard in shards.items():
-            full = torch.zeros(shard.global_shape, dtype=shard.tensor.dtype)
+            # bf16 summed as fp32: exact, and gloo sums it
+            wide = torch.float32 if shard.tensor.dtype == torch.bfloat16 else shard.tensor.dtype
+            full = torch.zeros(shard.global_shape, dtype=wide)
             if shard.replica_id == 0:
                 full[tuple(slice(o, o + n) for o, n in zip(shard.global_offset, shard.tensor.shape))] = shard.tensor
             dist.all_reduce(full)
-            out[prefix + key] = full
+            out[prefix + key] = full.to(shard.tensor.dtype)
     return out
 
 

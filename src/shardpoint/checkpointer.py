@@ -314,7 +314,7 @@ class Checkpointer:
         finetune: bool = False,
         load_optimizer: bool = True,
         load_rng: bool = True,
-        strict: bool = True,
+        strict: bool | str = True,
         verify: bool | None = None,
         fallback: bool = False,
         optimizer_reshard: str = "error",
@@ -336,6 +336,11 @@ class Checkpointer:
         refactor: ``{"old.name": "new.name"}`` or a callable, applied to model names
         (optimizer state follows its parameter); a strict load then names what is
         still missing.
+
+        ``strict``: True raises when the checkpoint lacks a key of ``state`` or holds one
+        ``state`` lacks; ``"missing"`` only for the former (saved keys nothing asks for
+        are skipped, as Megatron's ``--dist-ckpt-strictness assume_ok_unexpected``);
+        False loads the keys that match and skips the rest.
 
         The steps are :class:`~shardpoint.lifecycle.load_pipeline.LoadPipeline`'s.
 

@@ -107,13 +107,15 @@ class LoadOptions:
     finetune: bool = False
     load_optimizer: bool = True
     load_rng: bool = True
-    strict: bool = True
+    strict: bool | str = True  # True, False or "missing" (see Checkpointer.load)
     verify: bool = True
     fallback: bool = False
     optimizer_reshard: str = "error"
     rename: Rename = None
 
     def __post_init__(self) -> None:
+        if self.strict not in (True, False, "missing"):
+            raise ValueError(f"strict must be True, False or 'missing', got {self.strict!r}")
         if self.optimizer_reshard not in RESHARD_POLICIES:
             raise ValueError(f"optimizer_reshard must be one of {RESHARD_POLICIES}, got {self.optimizer_reshard!r}")
 
@@ -304,8 +306,9 @@ class LoadPipeline:
         _forget_unsaved_optimizer_state(state, flat, loaded)
         with restoring("the model's resized tensors", where, "or load into a model of the saved sizes"):
             load_resized(state, flat)
-        if opts.strict and (loaded.missing or loaded.unexpected):
-            raise MissingKeysError(opened.path, loaded.missing, loaded.unexpected)
+        unexpected = [] if opts.strict == "missing" else loaded.unexpected  # "missing": saved extras are skipped
+        if opts.strict and (loaded.missing or unexpected):
+            raise MissingKeysError(opened.path, loaded.missing, unexpected)
         with_optimizer = opts.load_optimizer and not opened.finetune
         if state.optimizer is not None and with_optimizer:
             keep = "or load with load_optimizer=False to keep the current optimizer state"

@@ -21,7 +21,11 @@ it comes in by this launcher instead. What each flag does is in :mod:`.loop`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
+
+from shardpoint.errors import FrameworkMissingError
+from shardpoint.integrations import missing_framework
 
 from .loop import HONOURED, NOT_APPLICABLE, Session
 
@@ -49,7 +53,7 @@ def install(**checkpointer_options: Any) -> Session:
     whose ``checkpointers`` are the live :class:`~shardpoint.Checkpointer` objects.
     """
     uninstall()
-    modules = {name: importlib.import_module(name) for name, _, _ in _TARGETS}
+    modules = {name: _import(name) for name, _, _ in _TARGETS}
     original = {
         "save_checkpoint": modules["megatron.training.checkpointing"].save_checkpoint,
         "load_checkpoint": modules["megatron.training.checkpointing"].load_checkpoint,
@@ -62,6 +66,33 @@ def install(**checkpointer_options: Any) -> Session:
         setattr(modules[name], attr, getattr(session, method))
     _SESSION.append(session)
     return session
+
+
+def _import(name: str) -> Any:
+    """A module of Megatron; its absence is named with what installs it.
+
+    megatron-core is a package (the ``megatron`` extra); Megatron-LM's training code
+    (``megatron.training``) is not: it comes from a Megatron-LM tree on ``PYTHONPATH``,
+    or the folder of the script the launcher runs.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if not _has_megatron_core():
+            raise missing_framework(exc, "megatron", "megatron") from exc
+        raise FrameworkMissingError(
+            f"shardpoint.integrations.megatron needs Megatron-LM's training code ({exc.name}), which is not a package: "
+            "put a Megatron-LM tree (e.g. tag core_v0.16.1) on PYTHONPATH, or run its pretrain_gpt.py through "
+            "`python -m shardpoint.integrations.megatron`",
+            name=exc.name,
+        ) from exc
+
+
+def _has_megatron_core() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no ``megatron`` at all
+        return False
 
 
 def installed() -> Session | None:

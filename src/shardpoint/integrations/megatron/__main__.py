@@ -13,6 +13,8 @@ import os
 import runpy
 import sys
 
+from shardpoint.errors import FrameworkMissingError
+
 from . import install
 
 
@@ -27,7 +29,10 @@ def main(argv: list[str]) -> None:
         if hasattr(module, "install"):
             module.install()
     sys.path.insert(0, os.path.dirname(script))
-    install()
+    try:
+        install()
+    except FrameworkMissingError as exc:  # what to install, without a traceback
+        raise SystemExit(f"error: {exc}") from exc
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")
 

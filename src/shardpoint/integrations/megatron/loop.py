@@ -18,12 +18,16 @@ Flag by flag (:data:`HONOURED`, :data:`NOT_APPLICABLE`):
   ``maybe_finalize_async_save`` hook, in the next save, or at the end.
 * ``--save-retain-interval N``: keep the newest checkpoint and every N-th.
 * ``--non-persistent-save-interval`` with ``--non-persistent-ckpt-type local``:
-  shardpoint's local tier in ``--non-persistent-local-ckpt-dir`` (replicas on other
-  nodes, newest complete iteration of any tier on load); ``global``: a checkpoint in
+  shardpoint's local tier in ``--non-persistent-local-ckpt-dir``, with
+  ``--replication-factor`` - 1 copies on other nodes when ``--replication`` is given
+  (none otherwise, as in Megatron); a load takes the newest iteration complete across
+  all ranks in any tier: a node's own copy, a replica, or the persistent store; ``global``: a checkpoint in
   ``--non-persistent-global-ckpt-dir`` (default ``<save>/non_persistent``) of which only
   the newest is kept.
-* ``--dist-ckpt-strictness``: ``log_*``/``return_*``/``ignore_all`` load non-strictly,
-  the rest strictly (missing keys are an error either way, as in Megatron).
+* ``--dist-ckpt-strictness``: as in Megatron, a key the job asks for and the checkpoint
+  lacks is an error under ``assume_ok_unexpected`` (the default) and ``raise_*``, and a
+  saved key nothing asks for is skipped, except under ``raise_all``; ``log_*``,
+  ``return_*`` and ``ignore_all`` load the keys that match (shardpoint logs the rest).
 * ``--use-checkpoint-args``: the model arguments are read from ``megatron_args.json``,
   a committed JSON file in each checkpoint (never unpickled).
 * A Megatron-native checkpoint under ``--load`` (no ``shardpoint.json``) is loaded by
@@ -40,14 +44,18 @@ import os
 import sys
 from typing import Any
 
-from shardpoint.catalog.metadata import MARKER_NAME
+import xxhash
+
+from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
+from shardpoint.catalog.untrusted_json import parse_json_object
 from shardpoint.checkpointer import Checkpointer
+from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.parallel.topology import Topology
 from shardpoint.state.train_state import TrainState
 
-from .state import DistributedOptimizerState, MegatronModel, MegatronRng
+from .state import MegatronModel, MegatronRng, optimizer_state
 
-__all__ = ["ARGS_FILE", "HONOURED", "NOT_APPLICABLE", "Session"]
+__all__ = ["ARGS_FILE", "HONOURED", "NOT_APPLICABLE", "NativeCheckpointError", "Session"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,9 @@ HONOURED = [
     "async_save",
     "non_persistent_save_interval",
     "non_persistent_ckpt_type",
+    "non_persistent_local_ckpt_dir",
+    "replication",
+    "replication_factor",
     "save_retain_interval",
     "use_checkpoint_args",
     "dist_ckpt_strictness",
@@ -75,7 +86,14 @@ HONOURED = [
 # accepted and logged once: shardpoint always writes in parallel and plans per save
 NOT_APPLICABLE = ("ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure")
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
-_LENIENT = ("log_unexpected", "log_all", "return_unexpected", "return_all", "ignore_all")
+# --dist-ckpt-strictness -> Checkpointer.load(strict=). Megatron's "unexpected" keys are the ones the job asks
+# for and the checkpoint lacks (shardpoint's "missing"); its "missing" ones are saved keys nothing asks for.
+_STRICT = {"assume_ok_unexpected": "missing", "raise_unexpected": "missing", "raise_all": True}
+
+
+def strictness(args: argparse.Namespace) -> bool | str:
+    """``strict=`` for ``--dist-ckpt-strictness`` (``log_*``, ``return_*``, ``ignore_all``: load what matches)."""
+    return _STRICT.get(str(getattr(args, "dist_ckpt_strictness", None) or "assume_ok_unexpected"), False)
 
 
 def _args_json(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,6 +152,7 @@ class Session:
         self.original = original or {}  # Megatron's own functions, for native checkpoints
         self.get_args = get_args or _megatron_args
         self.checkpointers: dict[str, Checkpointer] = {}
+        self.last_load: Any = None  # the LoadResult of the last load_checkpoint (tier, source, path)
         self._logged = False
 
     # --------------------------------------------------------------- plumbing
@@ -151,6 +170,8 @@ class Session:
                 "topology": _topology(),
                 "async_save": bool(getattr(args, "async_save", False)),
                 "config": {k: getattr(args, k) for k in MODEL_ARGS if _is_json(getattr(args, k, None))},
+                # a checkpoint `convert --from megatron` imported records all of Megatron's args: compare the model's
+                "allow_config_mismatch": sorted(set(vars(args)) - set(MODEL_ARGS)),
                 **self._retention(args, path),
                 **self.options,
                 **extra,
@@ -165,17 +186,19 @@ class Session:
             return {"keep_last": 1, "keep_every": int(retain)}
         return {}
 
-    def _local_options(self, args: argparse.Namespace) -> dict[str, Any]:
+    @staticmethod
+    def _local_options(args: argparse.Namespace) -> dict[str, Any]:
         interval = getattr(args, "non_persistent_save_interval", None)
         if interval and getattr(args, "non_persistent_ckpt_type", None) == "local":
             local = getattr(args, "non_persistent_local_ckpt_dir", None)
             if not local:
-                from shardpoint.errors import CheckpointError
-
                 raise CheckpointError(
                     "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir (a node-local path)"
                 )
-            return {"local_dir": local, "local_interval": int(interval)}
+            # Megatron keeps copies on other nodes only with --replication (--replication-factor counts the original)
+            replication = getattr(args, "replication", False)
+            replicas = int(getattr(args, "replication_factor", 2) or 1) - 1 if replication else 0
+            return {"local_dir": local, "local_interval": int(interval), "local_replicas": replicas}
         return {}
 
     def main(self, args: argparse.Namespace) -> Checkpointer:
@@ -189,7 +212,7 @@ class Session:
         stateful = {} if saving and getattr(args, "no_save_rng", False) else {"megatron_rng": MegatronRng()}
         return TrainState(
             model=MegatronModel(list(chunks)),
-            optimizer=DistributedOptimizerState(optimizer) if with_optim and optimizer is not None else None,
+            optimizer=optimizer_state(optimizer) if with_optim and optimizer is not None else None,
             scheduler=scheduler if with_optim else None,
             stateful=stateful,
         )
@@ -257,11 +280,7 @@ class Session:
         if pretrained and not _has_checkpoint(load_dir):
             load_dir, args.finetune = pretrained, True
         if load_dir and committed_dir(load_dir) and not is_shardpoint(load_dir):
-            log.warning("shardpoint: %s holds a Megatron-native checkpoint: loaded by Megatron itself", load_dir)
-            return self.original["load_checkpoint"](
-                ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
-                checkpointing_context=checkpointing_context,
-            )  # fmt: skip
+            return self._load_native(args, load_dir, ddp_model, optimizer, opt_param_scheduler, load_arg, strict)
         result = None
         if load_dir:
             ckpt = self.main(args) if load_dir == args.save else self.checkpointer(args, load_dir)
@@ -271,14 +290,39 @@ class Session:
                 finetune=bool(args.finetune),
                 load_optimizer=not args.no_load_optim,
                 load_rng=not args.no_load_rng,
-                strict=getattr(args, "dist_ckpt_strictness", "raise_all") not in _LENIENT,
+                strict=strictness(args),
             )
+        self.last_load = result
         if result is None:
             if getattr(args, "exit_on_missing_checkpoint", False):
                 log.error("shardpoint: --exit-on-missing-checkpoint and no checkpoint in %s: exiting", load_dir)
                 sys.exit()
             return 0, 0
         return self._after_load(args, result)
+
+    def _load_native(
+        self, args: Any, load_dir: str, model: Any, optimizer: Any, scheduler: Any, load_arg: str, strict: bool
+    ) -> tuple[int, float]:
+        """A Megatron-native checkpoint: Megatron-LM's own ``load_checkpoint`` reads it; saves go on with shardpoint.
+
+        Refused before anything is read when ``--save`` is that same directory: shardpoint
+        never replaces another tool's tracker (the native run's own resume would then find
+        a checkpoint it cannot read), so the run's first save would fail after training.
+        """
+        if args.save and os.path.realpath(args.save) == os.path.realpath(load_dir):
+            raise NativeCheckpointError(
+                f"--save {args.save} holds a Megatron-native checkpoint: shardpoint never replaces another tool's "
+                f"tracker, so this run could not save there. Keep --load {load_dir} and pass a new --save directory"
+            )
+        native = self.original.get("load_checkpoint")
+        if native is None:  # a megatron-core loop without Megatron-LM's training code
+            raise NativeCheckpointError(
+                f"{load_dir} holds a Megatron-native checkpoint (no shardpoint.json), and this job has no "
+                "Megatron-LM training code (megatron.training) to read it: import it once with "
+                f"`shardpoint convert --from megatron {load_dir} DST` and load DST"
+            )
+        log.warning("shardpoint: %s holds a Megatron-native checkpoint: loaded by Megatron itself", load_dir)
+        return native(model, optimizer, scheduler, load_arg=load_arg, strict=strict)
 
     @staticmethod
     def _after_load(args: argparse.Namespace, result: Any) -> tuple[int, float]:
@@ -324,10 +368,7 @@ class Session:
         from megatron.training import checkpointing
 
         found = committed_dir(root)
-        with open(os.path.join(found, ARGS_FILE)) as f:
-            saved = argparse.Namespace(**json.load(f))
-        with open(os.path.join(found, MARKER_NAME)) as f:
-            iteration = json.load(f).get("iteration") or 0
+        saved, iteration = saved_args(found)
         state = {"args": saved, "iteration": iteration, "checkpoint_version": 3.0}
         original = checkpointing._load_base_checkpoint
         checkpointing._load_base_checkpoint = lambda *a, **k: (state, found, False, None)
@@ -335,6 +376,39 @@ class Session:
             return self.original["load_args_from_checkpoint"](args, load_arg=load_arg, **kw)
         finally:
             checkpointing._load_base_checkpoint = original
+
+
+def saved_args(found: str) -> tuple[argparse.Namespace, int]:
+    """Megatron's args and the iteration of the shardpoint checkpoint ``found``, from ``megatron_args.json``.
+
+    The file is read only as the marker lists it, with its size and XXH3 checksum
+    (invariant 16), and parsed as JSON: a changed byte is named, never taken for args.
+
+    Raises:
+        CorruptCheckpointError: the file is not listed, or differs from what was saved.
+    """
+    marker = os.path.join(found, MARKER_NAME)
+    with open(marker, "rb") as f:
+        meta = CheckpointMetadata.from_json(f.read(), marker)
+    record = meta.files.get(ARGS_FILE)
+    if record is None:
+        raise CorruptCheckpointError(
+            f"{found}: {ARGS_FILE} is not listed in {MARKER_NAME}: --use-checkpoint-args needs a checkpoint saved "
+            "by shardpoint's Megatron integration; drop the flag and give the model arguments"
+        )
+    with open(os.path.join(found, ARGS_FILE), "rb") as f:
+        raw = f.read(record.size + 1)
+    if len(raw) != record.size or xxhash.xxh3_64(raw).hexdigest() != record.xxh3_64:
+        raise CorruptCheckpointError(
+            f"{os.path.join(found, ARGS_FILE)} differs from what was saved (size {len(raw)}, expected {record.size}, "
+            "or its checksum): it is damaged; load another checkpoint or drop --use-checkpoint-args"
+        )
+    values = parse_json_object(raw, os.path.join(found, ARGS_FILE), "Megatron args")
+    return argparse.Namespace(**values), int(meta.iteration or 0)
+
+
+class NativeCheckpointError(CheckpointError):
+    """A Megatron-native checkpoint under ``--load`` that this job cannot read without Megatron-LM's training code."""
 
 
 def _rank() -> int:

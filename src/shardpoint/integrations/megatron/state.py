@@ -30,7 +30,9 @@ import torch
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import find_param, param_shard_index
 
-__all__ = ["DistributedOptimizerState", "MegatronModel", "MegatronRng", "unwrap"]
+from .plain_optimizer import PlainOptimizerState, inner_optimizers, is_distributed, is_plain, refuse
+
+__all__ = ["DistributedOptimizerState", "MegatronModel", "MegatronRng", "optimizer_state", "unwrap"]
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,18 @@ class MegatronModel(torch.nn.Module):
             self._add(piece, name, shards, suffix)
 
 
-def _inner_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+def optimizer_state(optimizer: Any) -> DistributedOptimizerState | PlainOptimizerState:
+    """shardpoint's view of a Megatron optimizer: distributed (``--use-distributed-optimizer``) or not.
+
+    Raises:
+        UnsupportedOptimizerError: another optimizer, or a chain mixing both kinds (before any write).
+    """
+    inner = inner_optimizers(optimizer)
+    if all(is_distributed(opt) for opt in inner):
+        return DistributedOptimizerState(optimizer)
+    if all(is_plain(opt) for opt in inner):
+        return PlainOptimizerState(optimizer)
+    raise refuse(optimizer)
 
 
 class DistributedOptimizerState:
@@ -133,12 +145,9 @@ class DistributedOptimizerState:
 
     def __init__(self, optimizer: Any):
         self.optimizer = optimizer
-        self.inner = _inner_optimizers(optimizer)
-        for opt in self.inner:
-            if not hasattr(opt, "model_param_group_index_map"):
-                raise TypeError(
-                    f"shardpoint's Megatron integration needs --use-distributed-optimizer (got {type(opt).__name__})"
-                )
+        self.inner = inner_optimizers(optimizer)
+        if not all(is_distributed(opt) for opt in self.inner):
+            raise refuse(optimizer)
         self._targets: list[tuple[Any, torch.nn.Parameter, dict[str, torch.Tensor], Any]] = []
         self._steps_loaded: dict[str, Shard] = {}
 
