@@ -126,3 +126,15 @@ def test_replication_flags_give_the_local_tier_its_replicas():
     assert Session._local_options(argparse.Namespace(**local))["local_replicas"] == 0
     factor3 = argparse.Namespace(**local, replication=True, replication_factor=3)
     assert Session._local_options(factor3) == {"local_dir": "/x", "local_interval": 2, "local_replicas": 2}
+
+
+def test_config_records_the_query_groups_the_model_has():
+    """Without --group-query-attention Megatron ignores --num-query-groups (and --use-checkpoint-args changes it)."""
+    from shardpoint.integrations.megatron.loop import model_config
+
+    mha = argparse.Namespace(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=1
+    )
+    assert model_config(mha)["num_query_groups"] == 4
+    gqa = argparse.Namespace(**vars(mha), group_query_attention=True)
+    assert model_config(gqa)["num_query_groups"] == 1

@@ -96,6 +96,19 @@ def strictness(args: argparse.Namespace) -> bool | str:
     return _STRICT.get(str(getattr(args, "dist_ckpt_strictness", None) or "assume_ok_unexpected"), False)
 
 
+def model_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The model arguments a load compares (``Checkpointer(config=)``).
+
+    Without ``--group-query-attention`` Megatron ignores ``--num-query-groups`` (every
+    head is its own group), and ``--use-checkpoint-args`` may leave it changed: the
+    number of groups the model really has is recorded instead.
+    """
+    config = {k: getattr(args, k, None) for k in MODEL_ARGS if _is_json(getattr(args, k, None))}
+    if not getattr(args, "group_query_attention", False):
+        config["num_query_groups"] = config.get("num_attention_heads")
+    return config
+
+
 def _args_json(args: argparse.Namespace) -> dict[str, Any]:
     """Megatron's args as JSON (values JSON cannot hold are written as their ``repr``)."""
     return {k: v if _is_json(v) else repr(v) for k, v in sorted(vars(args).items())}
@@ -169,7 +182,7 @@ class Session:
             options = {
                 "topology": _topology(),
                 "async_save": bool(getattr(args, "async_save", False)),
-                "config": {k: getattr(args, k) for k in MODEL_ARGS if _is_json(getattr(args, k, None))},
+                "config": model_config(args),
                 # a checkpoint `convert --from megatron` imported records all of Megatron's args: compare the model's
                 "allow_config_mismatch": sorted(set(vars(args)) - set(MODEL_ARGS)),
                 **self._retention(args, path),
