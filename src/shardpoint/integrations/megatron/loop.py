@@ -21,17 +21,21 @@ Flag by flag (:data:`HONOURED`, :data:`NOT_APPLICABLE`):
   shardpoint's local tier in ``--non-persistent-local-ckpt-dir``, with
   ``--replication-factor`` - 1 copies on other nodes when ``--replication`` is given
   (none otherwise, as in Megatron); a load takes the newest iteration complete across
-  all ranks in any tier: a node's own copy, a replica, or the persistent store; ``global``: a checkpoint in
-  ``--non-persistent-global-ckpt-dir`` (default ``<save>/non_persistent``) of which only
-  the newest is kept.
+  all ranks in any tier: a node's own copy, a replica, or the persistent store.
+  ``global``: a checkpoint in ``--non-persistent-global-ckpt-dir`` (default
+  ``<save>/non_persistent``) of which only the newest is kept.
 * ``--dist-ckpt-strictness``: as in Megatron, a key the job asks for and the checkpoint
   lacks is an error under ``assume_ok_unexpected`` (the default) and ``raise_*``, and a
   saved key nothing asks for is skipped, except under ``raise_all``; ``log_*``,
   ``return_*`` and ``ignore_all`` load the keys that match (shardpoint logs the rest).
 * ``--use-checkpoint-args``: the model arguments are read from ``megatron_args.json``,
-  a committed JSON file in each checkpoint (never unpickled).
+  a committed JSON file in each checkpoint, checked against the marker (never unpickled).
 * A Megatron-native checkpoint under ``--load`` (no ``shardpoint.json``) is loaded by
-  Megatron's own ``load_checkpoint``; the run then saves with shardpoint.
+  Megatron's own ``load_checkpoint``; the run then saves with shardpoint into another
+  ``--save`` directory (the same one is refused before loading, see :meth:`Session._load_native`).
+* Optimizers: megatron-core's ``DistributedOptimizer`` and, without
+  ``--use-distributed-optimizer``, its ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params``
+  (:mod:`.plain_optimizer`); any other is refused by name before anything is written.
 """
 
 from __future__ import annotations

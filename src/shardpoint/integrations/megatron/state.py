@@ -15,6 +15,8 @@
   are stored as ``optimizer.state.<param>.exp_avg`` like any optimizer's and reshard
   with their parameter; a load copies each rank's range back. fp32 master weights of
   bf16/fp16 parameters are stored as ``<param>.master_param`` (the converter's name).
+  Without ``--use-distributed-optimizer`` the same names hold the state of megatron-core's
+  plain optimizers (:mod:`.plain_optimizer`); :func:`optimizer_state` picks the view.
 * The tensor-parallel RNG tracker and the CUDA generator: per-rank state
   (``TrainState.stateful``), restored at the same layout only, as Megatron does.
 """
