@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,11 +55,15 @@ def _load(rank: int, world: int, root: str, steps: int, damage: str | None, fall
         construct(self, file, where)
 
     safe_io.RestrictedUnpickler.__init__ = counting
+    opened: list[str] = []
+    sys.addaudithook(
+        lambda event, args: opened.append(str(args[0])) if event == "open" and "elsewhere" in str(args[0]) else None
+    )
     fresh = toy.build(sp.Topology(1, 1, world))
     try:
         result = sp.Checkpointer(root, topology=sp.Topology(1, 1, world)).load(fresh, fallback=fallback)
     except sp.CheckpointError as exc:
-        return {"error": type(exc).__name__, "message": str(exc)}
+        return {"error": type(exc).__name__, "message": str(exc), "opened": opened}
     finally:
         safe_io.RestrictedUnpickler.__init__ = construct
     saved, loaded = toy.snapshot(state)["tensors"], toy.snapshot(fresh)["tensors"]
@@ -119,7 +124,20 @@ def _without_index(root: Path) -> None:
     _reseal(last, INDEX_NAME)
 
 
-_DAMAGE = {"flip": _flip, "other": _other_metadata, "none": _without_index}
+def _outside(root: Path) -> None:
+    """The index names a file of another run (a real copy, there to be opened), the marker resealed."""
+    last = _last(root)
+    other = root.parent / "elsewhere"
+    other.mkdir(exist_ok=True)
+    shutil.copy(last / "__0_0.distcp", other / "__0_0.distcp")
+    index = _decode(last)
+    index.files[0] = (os.path.relpath(other / "__0_0.distcp", last), None)
+    marker = json.loads((last / "shardpoint.json").read_text())["files"]
+    (last / INDEX_NAME).write_bytes(chunk_index.encode(index, FileRecord(**marker[".metadata"])))
+    _reseal(last, INDEX_NAME)
+
+
+_DAMAGE = {"flip": _flip, "other": _other_metadata, "none": _without_index, "outside": _outside}
 
 
 def test_a_load_with_the_index_unpickles_nothing_and_one_without_it_reads_metadata(tmp_path):
@@ -143,6 +161,13 @@ def test_a_damaged_or_disagreeing_index_is_refused_by_name_and_fallback_loads_th
     if damage == "flip":  # fallback skips what fails its checksum (a resealed file passes, as any crafted one)
         results = launch(_load, 2, str(tmp_path / "again"), 2, damage, True)
         assert [r["iteration"] for r in results] == [1, 1], results
+
+
+def test_an_index_naming_another_runs_file_is_refused_on_every_rank_which_never_opens_it(tmp_path):
+    results = launch(_load, 2, str(tmp_path / "run"), 1, "outside", False)
+    assert {r.get("error") for r in results} == {"CorruptCheckpointError"}, results
+    assert all("elsewhere/__0_0.distcp" in r["message"] and "does not list" in r["message"] for r in results), results
+    assert [r["opened"] for r in results] == [[], []]
 
 
 def test_the_index_holds_exactly_the_chunks_of_metadata(saved):
