@@ -4,28 +4,29 @@ The first save's start round sends rank 0 the boxes of every rank, ``ranks × te
 of them (4.9 million at 16,384 ranks × 300 tensors). Walked one by one in Python, as
 :func:`~shardpoint.state.coverage.check_tiling` and a dict of holders did, that took
 10.3 s at 4,096 simulated ranks while every other rank waited. Here each rank sends
-its boxes as one numpy record array and its key names as one compressed blob
-(:class:`RankBoxes`: 31 bytes a two-dimensional box, 10 KB for 300 tensors); rank 0
+its boxes as raw integer columns and its key names as one compressed blob
+(:class:`RankBoxes`: 36 bytes a two-dimensional box, 12 KB for 300 tensors); rank 0
 decodes each distinct set of names once and decides with array operations over the
-boxes of all ranks, grouped by key with one radix sort (:func:`survey`):
+boxes of all ranks, grouped by key (a transposition when every rank has the same keys,
+else one radix sort) (:func:`survey`):
 
 * **tiling**: per key and dimension, the distinct spans ``(offset, length)`` of the
   canonical boxes (``replica_id == 0``) must partition the dimension (neighbours
-  compared within the key, boxes in rank order are usually sorted already), and every
+  compared within the key; boxes in rank order are usually sorted already), and every
   cell of that grid must be held; a copy (another replica id) must lie on a cell. That
   is every split tp, ep, FSDP and DTensor make. A key that fails, or that has no grid
   (a brick-wall tiling), goes to :func:`~shardpoint.state.coverage.problem` in Python
   with its own boxes only: the error names the key, the region and the ranks as
   before, and a valid tiling that is no grid is still accepted;
 * **replicas**: a box is named by its key, its cell and its scope, one dense integer,
-  so holders are counted with ``bincount``; each box several ranks hold is written by
-  one of them, chosen by bytes among the boxes of the same first holder (a
-  data-parallel group's), so the holders of a replicated model split its bytes.
+  so holders are counted with ``bincount``; the boxes held by the same ranks (a
+  data-parallel group's) are split among those ranks by bytes, each written by one.
 
-Memory on rank 0: the records (``8·(3·ndim + 1)`` bytes a box, half that when every
-coordinate fits in 32 bits), one sorted copy of them and a few index arrays of 4 to
-8 bytes a box; about 0.7 GB at 16,384 ranks × 300 two-dimensional tensors. Every other
-rank holds its own records and its answer.
+Rank 0's Python work is a few steps per rank (its message, its answer), none per box.
+Its memory: the columns it received (4 bytes a value where all fit in 32 bits) and
+one key-ordered copy of those that vary, with index arrays of 1 to 8 bytes a box
+(``shardpoint bench --simulate-ranks`` reports the peak). Every other rank holds its
+own columns and its answer.
 """
 
 from __future__ import annotations
