@@ -21,7 +21,7 @@ from tests import integration_megatron_flags as flags
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("megatron_flags"))
-    results = launch(flags.run, 2, root, backend="gloo", timeout=300)
+    results = launch(flags.run, 2, root, backend="gloo", timeout=480)
     print("seconds per phase:", results[0]["seconds"])  # shown with -s
     return results
 
