@@ -46,7 +46,7 @@ class FormatContext:
     storage: Storage
     directory: str
     topology: Topology
-    strict: bool = True
+    strict: bool | str = True  # as the load's (LoadOptions.strict): True, False or "missing"
     thread_count: int = 1
     distributed_optimizer: bool = False
     process_group: Any = None  # for DCP's collectives; None: the control group (a dedicated one for async saves)
@@ -120,7 +120,7 @@ def write_torch_file(obj: Any, path: str, storage: Storage | None = None) -> Fil
     """
     with (storage or LocalStorage("/")).open_write(path) as raw, without_zip_crc32():
         writer = HashingWriter(raw)
-        torch.save(obj, writer)
+        torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save takes any writer; its stub says IO[bytes]
         writer.flush()
     return writer.record()
 

@@ -87,7 +87,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     data = data.contiguous().reshape(-1)
     hasher = xxhash.xxh3_128(f"{data.dtype}{tuple(tensor.shape)}".encode())
     if data.numel():
-        hasher.update(memoryview(data.view(torch.uint8).numpy()))
+        hasher.update(data.view(torch.uint8).numpy().data)
     return hasher.hexdigest()
 
 

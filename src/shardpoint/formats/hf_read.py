@@ -24,6 +24,7 @@ every rank, never hangs one.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -136,7 +137,7 @@ def plan_reads(
         holders: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
         for rank, boxes in enumerate(everyone):
             box = boxes.get(key)
-            if box is not None and math.prod(box.shape):
+            if box is not None and math.prod(box.shape) != 0:
                 holders.setdefault((box.offset, box.shape), []).append(rank)
         for group in _overlapping(tensor.shape, holders):
             read = Read(key, tensor, group[0][0], max(hi for _, hi, _ in group), 0)
@@ -191,7 +192,7 @@ def run_reads(reads: Sequence[Read], shards: Mapping[str, Shard], reader: RangeR
     for batch in _batches(reads):
         if any(rank != read.reader for read in batch for rank, _, _ in read.members):
             sends, landing = comm.agree(
-                lambda b=batch, e=error: _prepare_exchange(b, shards, reader, me) if e is None else reraise(e),
+                functools.partial(_prepare_unless_failed, error, batch, shards, reader, me),
                 "reading Hugging Face weights",
             )
             error = _exchange(batch, sends, landing, shards, me)
@@ -257,6 +258,14 @@ def _read_batch(
             else:
                 sends[(i, rank)] = box.contiguous().reshape(-1).view(torch.uint8)
     return sends
+
+
+def _prepare_unless_failed(
+    error: BaseException | None, batch: Sequence[Read], shards: Mapping[str, Shard], reader: RangeReader, me: int
+) -> tuple[dict[tuple[int, int], torch.Tensor], dict[int, torch.Tensor]]:
+    """:func:`_prepare_exchange`, or ``error`` (an earlier batch's failure) raised inside the agreement."""
+    reraise(error)
+    return _prepare_exchange(batch, shards, reader, me)
 
 
 def _prepare_exchange(

@@ -111,7 +111,7 @@ def _holders(key: str, everyone: Sequence[Mapping[str, Box]], shape: tuple[int, 
     holders: dict[tuple, list[int]] = {}
     for rank, boxes in enumerate(everyone):
         box = boxes.get(key)
-        if box is not None and math.prod(box.shape):
+        if box is not None and math.prod(box.shape) != 0:
             holders.setdefault((box.offset, box.shape), []).append(rank)
     covered = sum(math.prod(size) for _, size in holders)
     if covered != math.prod(shape):
@@ -202,7 +202,7 @@ def write_rounds(plan: WritePlan, shards: Mapping[str, Shard], writer: FileWrite
                     piece, failed = _piece(shards[key].tensor, dtype, size, arena)
                     error = error or failed
                     ops.append(dist.P2POp(dist.isend, piece, rank, group))
-                elif rank == me:
+                elif rank == me and full is not None:  # full: this rank's tensor, taken above
                     region = _region(full, offset, size)
                     if source == me:
                         copy_into(region, shards[key].tensor)

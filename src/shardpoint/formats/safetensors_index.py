@@ -22,12 +22,13 @@ the index it reads.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -257,7 +258,7 @@ class RangeReader:
     def __init__(self, storage: Storage, directory: str):
         self.storage, self.directory = storage, directory
         self.bytes_read = 0
-        self._files: dict[str, BinaryIO] = {}
+        self._files: dict[str, io.BufferedIOBase] = {}
         self._maps: dict[str, torch.Tensor] = {}
 
     def view(self, name: str, start: int, length: int) -> torch.Tensor | None:
@@ -294,7 +295,7 @@ class RangeReader:
         """Fill each 1-D ``uint8`` CPU tensor ``out`` with the bytes of file ``name`` from ``start``."""
         requests = [r for r in requests if r[2].numel()]
         if isinstance(self.storage, ObjectStorage):
-            self._read_ranges(requests)
+            self._read_ranges(self.storage, requests)
         else:
             for name, start, out in requests:
                 self._read_local(name, start, out)
@@ -314,7 +315,7 @@ class RangeReader:
             f.seek(start)
             view, done = out.numpy(), 0
             while done < len(view):
-                got = f.readinto(view[done:])
+                got = f.readinto(view[done:].data)
                 if not got:
                     break
                 done += got
@@ -324,14 +325,14 @@ class RangeReader:
             raise StorageError(f"reading {self.path(name)} failed: {exc}") from exc
         self._check_length(name, start, done, len(view))
 
-    def _read_ranges(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+    def _read_ranges(self, store: ObjectStorage, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         if not requests:
             return
         paths = [self.path(name) for name, _, _ in requests]
         starts = [start for _, start, _ in requests]
         ends = [start + out.numel() for _, start, out in requests]
         try:
-            blobs = self.storage.fs.cat_ranges(paths, starts, ends, on_error="raise")
+            blobs = store.fs.cat_ranges(paths, starts, ends, on_error="raise")
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(
                 f"{exc.filename or sorted(set(paths))} is missing; the checkpoint is incomplete"

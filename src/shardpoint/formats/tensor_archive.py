@@ -120,9 +120,9 @@ def templated(tensor: torch.Tensor) -> bool:
 def storage_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor``'s storage, without a copy."""
     if tensor.is_contiguous():  # the common case, three times faster than a tensor over the storage
-        return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        return tensor.view(-1).view(torch.uint8).numpy().data
     raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-    return memoryview(raw.numpy()).cast("B")
+    return raw.numpy().data.cast("B")
 
 
 def archive_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview, bytes]:

@@ -73,6 +73,12 @@ class TorchFormat:
         per_dp_rank = self._gather_over_dp(topo, (flat.per_rank, sorted(flat.rank_local)))
         if topo.dp_rank != 0:
             return files
+        if per_dp_rank is None:  # this rank is dp rank 0 by its groups but not where Megatron's order puts it
+            raise TopologyMismatchError(
+                f"rank {topo.rank} is data-parallel rank 0 of {topo.mp_rank_name}, but Megatron's rank order puts "
+                f"that at rank {topo.rank_of(tp=topo.tp_rank, pp=topo.pp_rank, dp=0)}; build the topology with "
+                "ranks in tp, dp, pp order, or save with format='dist'"
+            )
         rng_states = [per_rank.get("rng") for per_rank, _ in per_dp_rank]
         stateful = [per_rank.get("stateful") for per_rank, _ in per_dp_rank]
         rank_local_keys = [keys for _, keys in per_dp_rank]

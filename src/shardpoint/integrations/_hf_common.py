@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardpoint.catalog.integrity import verify_files
 from shardpoint.catalog.layout import Layout
@@ -21,6 +21,9 @@ from shardpoint.parallel.topology import Topology
 from shardpoint.storage.base import open_storage
 from shardpoint.storage.fsspec_store import is_fsspec_url
 from shardpoint.storage.object_store import is_object_url
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = [
     "FIXED_OPTIONS",
@@ -76,7 +79,7 @@ def accelerator_topology(accelerator: Any) -> Topology:
     return Topology(1, 1, accelerator.num_processes)
 
 
-def is_shardpoint_checkpoint(path: str | os.PathLike[str] | None) -> bool:
+def is_shardpoint_checkpoint(path: str | os.PathLike[str] | None) -> TypeIs[str | os.PathLike[str]]:
     """Whether ``path`` (local, an object store or other fsspec URL) is a committed shardpoint checkpoint (marker)."""
     if path is None:
         return False

@@ -225,9 +225,9 @@ def patch(accelerator: Any, *, checkpointer_options: Mapping | None = None) -> A
     """
     options = dict(checkpointer_options or {})
     for name, function in (("save_state", save_state), ("load_state", load_state)):
-        bound = functools.partial(_call_with_options, function, accelerator, options)
-        bound = functools.update_wrapper(bound, function)
-        bound.__shardpoint__ = True  # type: ignore[attr-defined]
+        partial = functools.partial(_call_with_options, function, accelerator, options)
+        bound = functools.update_wrapper(partial, function)
+        bound.__shardpoint__ = True  # type: ignore[attr-defined]  # a marker: functions take attributes at run time
         setattr(accelerator, name, bound)
     return accelerator
 

@@ -359,7 +359,7 @@ class _ShardpointStrategy:
     @property
     def lightning_restore_optimizer(self) -> bool:
         if self.checkpoint_io.stock_loaded:  # a checkpoint Lightning wrote: restored Lightning's way
-            return _ORIGINAL[type(self)].lightning_restore_optimizer.fget(self)  # type: ignore[attr-defined]
+            return _ORIGINAL[type(self)].lightning_restore_optimizer.fget(self)
         return False  # load_checkpoint already did
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -398,11 +398,11 @@ class _ShardpointStrategy:
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # ddp_spawn pickles the Trainer into each process; the adapted class is made at run time, so
         # pickle cannot find it by name: rebuild it from the strategy's own class there
-        return (_readapted, (_ORIGINAL[type(self)],), self.__getstate__())
+        return (_readapted, (_ORIGINAL[type(self)],), _ORIGINAL[type(self)].__getstate__(self))
 
 
 _ADAPTED: dict[type, type] = {}  # strategy class -> its adapted subclass
-_ORIGINAL: dict[type, type] = {}  # and back
+_ORIGINAL: dict[type, Any] = {}  # and back (Any: its methods are called with an adapted strategy as self)
 
 
 def _adapted(cls: type) -> type:
@@ -435,8 +435,9 @@ def _hook_attach() -> None:
         if isinstance(io, ShardpointCheckpointIO):
             io.connect(strategy)
 
-    fset.shardpoint_attach = True  # type: ignore[attr-defined]
-    Strategy.checkpoint_io = property(prop.fget, fset, prop.fdel, prop.__doc__)  # type: ignore[method-assign]
+    fset.shardpoint_attach = True  # type: ignore[attr-defined]  # a marker: functions take attributes at run time
+    # replacing Lightning's property at run time, which its type (a getter and setter) does not allow
+    Strategy.checkpoint_io = property(prop.fget, fset, prop.fdel, prop.__doc__)  # type: ignore[assignment]
 
 
 def _check_strategy(strategy: Strategy) -> None:

@@ -71,6 +71,7 @@ import xxhash
 
 from shardpoint.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError
 from shardpoint.integrations import missing_framework
+from shardpoint.state.sharding import is_dtensor
 from shardpoint.storage.safe_io import load_plain_pickle
 
 try:
@@ -86,7 +87,7 @@ CHUNK_BYTES = 64 << 20
 _HEADER_LENGTH_TAG, _HEADER_TAG, _FIRST_TAG = 1, 2, 3
 
 
-class ShardpointTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
+class ShardpointTransport(CheckpointTransport):
     """Send a torchft state dict over a torchft process group, every chunk checksummed.
 
     Args:
@@ -440,7 +441,7 @@ def _describe(path: Any, value: Any) -> dict:
         "dtype": str(local.dtype).removeprefix("torch."),
         "nbytes": local.numel() * local.element_size(),
     }
-    if local is not value:  # a DTensor: its mesh and placements, by name
+    if is_dtensor(value):  # its mesh and placements, by name
         mesh = value.device_mesh
         leaf.update(
             kind="dtensor",
@@ -526,7 +527,7 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def _xxh3(data: torch.Tensor) -> int:
     host = data if data.device.type == "cpu" else data.cpu()
-    value = xxhash.xxh3_64_intdigest(memoryview(host.numpy()))
+    value = xxhash.xxh3_64_intdigest(host.numpy().data)
     return value - (1 << 64) if value >= 1 << 63 else value  # as an int64 tensor holds it
 
 

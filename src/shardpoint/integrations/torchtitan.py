@@ -227,6 +227,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         except RuntimeError as exc:
             if "Missing key" not in str(exc):
                 raise
+            if self.metadata is None:  # DCP sets it before planning: a failure without it is DCP's own
+                raise
             missing = sorted(k for k in self.state_dict if k not in self.metadata.state_dict_metadata)
             parts = sorted({key.split(".", 1)[0] for key in missing})
             raise CheckpointError(

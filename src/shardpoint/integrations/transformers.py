@@ -115,18 +115,20 @@ class ShardpointTrainer(Trainer):
         model = kwargs.get("model", args[0] if args else None)
         # The stock Trainer refuses to checkpoint a model sharded at load time, since its own
         # optimizer file cannot hold sharded state; shardpoint's can. It checks in __init__ only.
-        lift = (
-            getattr(model, "is_distributed_loading_by_transformers", False)
+        lifted = (  # the args whose save_only_model is set for the check, then put back
+            training_args
+            if getattr(model, "is_distributed_loading_by_transformers", False)
             and training_args is not None
             and not training_args.save_only_model
+            else None
         )
-        if lift:
-            training_args.save_only_model = True
+        if lifted is not None:
+            lifted.save_only_model = True
         try:
             super().__init__(*args, **kwargs)
         finally:
-            if lift:
-                training_args.save_only_model = False
+            if lifted is not None:
+                lifted.save_only_model = False
         if self.is_deepspeed_enabled:
             raise ValueError(
                 "ShardpointTrainer does not checkpoint DeepSpeed engines (they keep their state in DeepSpeed's own "
@@ -147,8 +149,9 @@ class ShardpointTrainer(Trainer):
             CorruptCheckpointError: the checkpoint's ``trainer_state.json`` or data
                 files changed since the save (each damaged file is named).
         """
-        if resume_from_checkpoint is True and os.path.isdir(self.args.output_dir):
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: transformers says why
+        output_dir = self.args.output_dir
+        if resume_from_checkpoint is True and output_dir is not None and os.path.isdir(output_dir):
+            resume_from_checkpoint = get_last_checkpoint(output_dir) or True  # True: transformers says why
         if isinstance(resume_from_checkpoint, (str, os.PathLike)) and common.is_shardpoint_checkpoint(
             resume_from_checkpoint
         ):
@@ -208,14 +211,16 @@ class ShardpointTrainer(Trainer):
 
     def _export_callback_states(self) -> None:
         """Stateful callbacks and ``TrainerControl`` into ``state.stateful_callbacks``, as the stock save does."""
+        # transformers annotates a list, but TrainerState.__post_init__ makes it a dict by class name
+        exported: dict[str, Any] = self.state.stateful_callbacks  # type: ignore[assignment]
         for cb in [*self.callback_handler.callbacks, self.control]:
             if not isinstance(cb, ExportableState):
                 continue
             name = cb.__class__.__name__
-            if isinstance(self.state.stateful_callbacks[name], list):
-                self.state.stateful_callbacks[name].append(cb.state())
+            if isinstance(exported[name], list):
+                exported[name].append(cb.state())
             else:
-                self.state.stateful_callbacks[name] = cb.state()
+                exported[name] = cb.state()
 
     def _trainer_state_json(self) -> bytes:
         """``trainer_state.json`` exactly as ``TrainerState.save_to_json`` writes it."""

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 from shardpoint.catalog.layout import LAYOUTS, RELEASE, Layout
 from shardpoint.catalog.metadata import MARKER_NAME, CheckpointMetadata
-from shardpoint.errors import CheckpointError, ConcurrentSaveError, CorruptCheckpointError
+from shardpoint.errors import CheckpointError, ConcurrentSaveError, CorruptCheckpointError, StorageError
 from shardpoint.lifecycle import faults, references
 from shardpoint.storage.base import Storage, refuse_foreign
+from shardpoint.storage.object_store import ObjectStorage
 
 __all__ = [
     "CheckpointEntry",
@@ -77,6 +78,12 @@ class CheckpointEntry:
     @property
     def committed(self) -> bool:
         return self.meta is not None
+
+    def marker(self) -> CheckpointMetadata:
+        """The marker of a committed checkpoint (callers list committed entries only)."""
+        if self.meta is None:
+            raise CorruptCheckpointError(f"{self.path} is not a committed checkpoint: {self.problem or 'no marker'}")
+        return self.meta
 
 
 def begin(storage: Storage, root: str, final_name: str, base: str | None = None) -> str:
@@ -355,6 +362,8 @@ def _claim(storage: Storage, tmp: str, final: str, base: str) -> str:
 
 def _copy_into_place(storage: Storage, tmp: str, final: str, marker: bytes, files: list[str]) -> None:
     """Copy the listed files of ``tmp`` over ``final``, then its marker; then drop the replaced files."""
+    if not isinstance(storage, ObjectStorage):  # only object storage commits by copying (it cannot rename)
+        raise StorageError(f"committing {final} by copying needs object storage, not {type(storage).__name__}")
     replaced = _listed_files(storage, final)
     faults.hit("mid-switch", 0)
     storage.copy_many([(storage.join(tmp, name), storage.join(final, name)) for name in files])

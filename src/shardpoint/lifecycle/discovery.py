@@ -72,7 +72,7 @@ def _newest_without_tracker(storage: Storage, root: str, layout: Layout) -> tupl
         return None
     newest = entries[-1]
     log.warning("no tracker file under %s; loading the newest committed checkpoint %s", root, newest.name)
-    return newest.path, newest.meta.to_json()
+    return newest.path, newest.marker().to_json()
 
 
 def _first_intact(storage: Storage, root: str, layout: Layout, path: str, iteration: int | None) -> tuple[str, str]:
@@ -118,7 +118,7 @@ class LoadSources:
 
     def find(self, iteration: int | None, fallback: bool) -> tuple[str, str, str] | None:
         """Rank 0: the checkpoint to load; the newer of local and remote, local on a tie."""
-        if self.remote is None:
+        if self.remote is None or self.remote_root is None:
             found = find_checkpoint(self.local, self.local_root, self.layout, iteration, fallback)
             return None if found is None else (LOCAL, *found)
         local = None
@@ -148,6 +148,8 @@ class LoadSources:
         """
         if where == LOCAL:
             return self.local, path
+        if self.remote is None:
+            raise CheckpointError(f"{path} is on the object store, but this load has none (no upload_to)")
         if self.node is None:
             return self.remote, path
         self.close()

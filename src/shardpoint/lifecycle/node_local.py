@@ -144,7 +144,11 @@ def probe_domains(storage: Storage, root: str) -> list[tuple[int, ...]]:
     def probe(r: int) -> str:
         return storage.join(root, f"{PROBE_PREFIX}{token}-{r}")
 
-    comm.agree(lambda: (storage.makedirs(root), storage.write_atomic(probe(rank), b"")), "probing the local dir")
+    def write_probe() -> None:
+        storage.makedirs(root)
+        storage.write_atomic(probe(rank), b"")
+
+    comm.agree(write_probe, "probing the local dir")
     seen = tuple(r for r in range(world) if storage.exists(probe(r)))
     domains = [tuple(d) for d in comm.all_gather(seen)]
     storage.remove(probe(rank))

@@ -19,6 +19,7 @@ replaced and has nothing, a wiped or damaged disk) reads from the object store.
 
 from __future__ import annotations
 
+import io
 import logging
 import posixpath
 import secrets
@@ -100,7 +101,7 @@ class NodeView:
         with self.open_read(path) as f:
             return f.read()
 
-    def open_read(self, path: str) -> BinaryIO:
+    def open_read(self, path: str) -> io.BufferedIOBase:
         storage, real, local = self.resolve(path)
         self.opened["local" if local else "remote"] += 1
         return storage.open_read(real)
@@ -193,7 +194,7 @@ class _NodeViewFileSystem(AbstractFileSystem):
         text = str(path)
         return text if text.startswith(f"{PROTOCOL}://") else f"{PROTOCOL}://{text}"
 
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> BinaryIO:
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> io.BufferedIOBase:
         if "r" not in mode:
             raise StorageError(f"{path}: a node view is read-only")
         return _view_of(path).open_read(path)

@@ -37,7 +37,7 @@ def apply_retention(storage: Storage, root: str, layout: Layout, policies: Seque
         faults.hit("during-retention", 0)
         entries = [e for e in commit.list_checkpoints(storage, root, layout) if e.committed and e.iteration is not None]
         _, tracked = commit.read_tracker(storage, root, layout)
-        infos = [CheckpointInfo(e.iteration, e.meta.metrics) for e in entries]
+        infos = [CheckpointInfo(e.iteration, e.marker().metrics) for e in entries if e.iteration is not None]
         for iteration in select_for_deletion(infos, policies, {tracked} if tracked is not None else set()):
             name = layout.dir_name(iteration)
             commit.retire(storage, root, name)

@@ -104,6 +104,12 @@ class _PendingSave:
     replicas: Any = None  # the replica check's ReplicaReport when this save ran one (who writes which box)
     finished: dict[str, Any] = field(default_factory=dict)  # rank 0: files the format's finish() wrote
 
+    def context(self) -> FormatContext:
+        """The format's context: the steps after the save's start (which sets it) use this."""
+        if self.ctx is None:
+            raise CheckpointError(f"the save of {self.final} has no temporary directory yet (its start failed)")
+        return self.ctx
+
 
 class SavePipeline:
     """Writes and commits saves into one save directory; one save in flight at a time.
@@ -273,6 +279,8 @@ class SavePipeline:
 
         outcomes = comm.agree_all(local, "starting the save", group)
         tmp = outcomes[0][2]
+        if tmp is None:  # every rank received rank 0's answer: all raise alike
+            raise CheckpointError(f"rank 0 sent no temporary directory for {name}")
         try:
             # every rank decides from the same hashes: the same moves, or the same error everywhere
             moved = replicas.compare(flat, [o[1] for o in outcomes])
@@ -343,11 +351,11 @@ class SavePipeline:
     def _commit_all(self, pending: _PendingSave, parts: list[tuple[dict, Any]]) -> CheckpointMetadata:
         """Rank 0, once every rank's writes succeeded: the format's last files, the marker, the tracker."""
         all_records = [records for records, _ in parts]
-        pending.finished = self.format.finish(pending.ctx, [extra for _, extra in parts])  # .metadata, for dist
+        pending.finished = self.format.finish(pending.context(), [extra for _, extra in parts])  # .metadata, for dist
         all_records.append(pending.finished)
         seconds = time.perf_counter() - pending.start
         meta = _metadata(self, pending.iteration, all_records, pending.metrics, pending.extra, seconds)
-        self._commit(pending.ctx.directory, pending.final, meta, pending.update_tracker)
+        self._commit(pending.context().directory, pending.final, meta, pending.update_tracker)
         return meta
 
     def _finish_on_nodes(self, pending: _PendingSave, records: Any, error: BaseException | None) -> CheckpointMetadata:
@@ -362,7 +370,7 @@ class SavePipeline:
         all_records = comm.gather_to(records, 0)
         seconds = time.perf_counter() - pending.start
         meta = _metadata(self, pending.iteration, all_records, pending.metrics, pending.extra, seconds)
-        self.node.commit(pending.ctx.directory, pending.final, records, meta, self.preservation)
+        self.node.commit(pending.context().directory, pending.final, records, meta, self.preservation)
         return meta
 
     def _begin(self, name: str, needed: int) -> str:
@@ -383,7 +391,7 @@ class SavePipeline:
     def _write_files(self, pending: _PendingSave) -> dict[str, Any]:
         """This rank's files and their records (runs on the background thread for async saves)."""
         rank = comm.rank()
-        ctx = pending.ctx
+        ctx = pending.context()
         try:
             faults.hit("before-data", rank)
             records = self.format.save(ctx, pending.flat)

@@ -110,7 +110,7 @@ class HostStaging:
         total = max((s.offset + s.nbytes for s in slots.values()), default=0)
         self._views, self._batches, self._slab = {}, [], None  # the old slab goes before the new one comes
         self._slab = devices.host_slab(total, pinned=any(t.device.type != "cpu" for t in sources.values()))
-        raw = memoryview(self._slab.numpy()) if total else memoryview(b"")
+        raw = self._slab.numpy().data if total else memoryview(b"")
         self._views = {key: _carve(raw, slot) for key, slot in slots.items()}
         for keys in batches:
             first, size = slots[keys[0]], slots[keys[0]].nbytes * len(keys)

@@ -176,7 +176,7 @@ def apply_split_overrides(
                 result[key] = dim
     for key in tensors:
         param = param_key_of(key)
-        if param in tensors and tensors[param].shape == tensors[key].shape:
+        if param is not None and param in tensors and tensors[param].shape == tensors[key].shape:
             result[key] = result.get(param)
     return result
 

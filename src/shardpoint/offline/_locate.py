@@ -64,7 +64,7 @@ def resolve(
         committed = [e for e in commit.list_checkpoints(storage, root, layout) if e.committed]
         if not committed:
             raise _nothing_here(storage, root, layout)
-        return committed[-1].path, committed[-1].meta
+        return committed[-1].path, committed[-1].marker()
     directory = storage.join(root, layout.dir_name(iteration))
     if not storage.is_dir(directory):
         raise NotACheckpointError(

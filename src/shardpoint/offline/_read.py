@@ -267,7 +267,7 @@ def _check_coverage(where: str, tensors: Mapping[str, torch.Tensor], boxes: Mapp
 
 def infer_split_dims(tensors: Mapping[str, torch.Tensor], boxes: Mapping[str, set[Box]]) -> dict[str, int | None]:
     """Per key, the dim along which its saved boxes differ; optimizer state follows its parameter."""
-    result = {}
+    result: dict[str, int | None] = {}
     for key in sorted(tensors, key=lambda k: k.startswith(OPTIM_PREFIX)):  # parameters first
         param = param_key_of(key)
         if param is not None and param in tensors and tensors[param].shape == tensors[key].shape:

@@ -16,6 +16,7 @@ step that would otherwise delete what it finds.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import shutil
 from collections.abc import Iterator
@@ -55,7 +56,9 @@ class Storage(Protocol):
     from rank 0 only, except data files, which each rank writes itself.
     """
 
-    root: str
+    @property
+    def root(self) -> str: ...
+
     is_local: bool  # paths are POSIX paths (mmap, flock, os.* work on them)
     supports_rename: bool  # False: data is written in place and only the marker commits it
 
@@ -65,7 +68,10 @@ class Storage(Protocol):
     def listdir(self, path: str) -> list[str]: ...
     def size(self, path: str) -> int: ...
     def read_bytes(self, path: str) -> bytes: ...
-    def open_read(self, path: str) -> BinaryIO: ...
+    def open_read(self, path: str) -> io.BufferedIOBase:
+        """A file to read (``readinto`` included: readers fill preallocated buffers)."""
+        ...
+
     def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
         """Context manager: a new file that is durable (fsynced / uploaded) when the block exits."""
         ...
@@ -111,7 +117,7 @@ class LocalStorage:
     def read_bytes(self, path: str) -> bytes:
         return Path(path).read_bytes()
 
-    def open_read(self, path: str) -> BinaryIO:
+    def open_read(self, path: str) -> io.BufferedIOBase:
         return open(path, "rb")
 
     @contextmanager

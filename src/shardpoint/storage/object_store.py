@@ -22,6 +22,7 @@ What still fails is a :class:`StorageError` naming the path and the store's sett
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import posixpath
@@ -148,7 +149,7 @@ class ObjectStorage:
     def read_bytes(self, path: str) -> bytes:
         return self._call(path, lambda: self.fs.cat_file(path))
 
-    def open_read(self, path: str) -> BinaryIO:
+    def open_read(self, path: str) -> io.BufferedIOBase:
         return self._call(path, lambda: self.fs.open(path, "rb", block_size=READ_BLOCK))
 
     @contextmanager
@@ -239,12 +240,17 @@ class _Errors:
 
 def error_module_is(exc: BaseException, prefixes: tuple[str, ...]) -> bool:
     """Whether ``exc`` (or what it wraps) comes from one of the client packages ``prefixes``."""
-    seen = 0
-    while exc is not None and seen < 4:
-        if type(exc).__module__.startswith(prefixes):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
-    return False
+    return any(type(e).__module__.startswith(prefixes) for e in _chain(exc))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and up to three exceptions it wraps (``__cause__``, else ``__context__``)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 4:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT}
@@ -252,21 +258,20 @@ _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, e
 
 def transient_default(exc: BaseException) -> bool:
     """What every store retries: a dropped or refused connection and a timeout, wherever it is wrapped."""
-    seen = 0
-    while exc is not None and seen < 4:
-        if isinstance(exc, (ConnectionError, TimeoutError)) or getattr(exc, "errno", None) in _TRANSIENT_ERRNOS:
-            return True
-        if type(exc).__name__ in (
-            "ClientConnectionError",
-            "ClientOSError",
-            "ServerDisconnectedError",
-            "ServiceRequestError",
-            "ServiceResponseError",
-            "EndpointConnectionError",
-            "ConnectTimeoutError",
-            "ReadTimeoutError",
-            "ServerTimeoutError",
-        ):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
-    return False
+    return any(_transient(e) for e in _chain(exc))
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, (ConnectionError, TimeoutError)) or getattr(exc, "errno", None) in _TRANSIENT_ERRNOS:
+        return True
+    return type(exc).__name__ in (
+        "ClientConnectionError",
+        "ClientOSError",
+        "ServerDisconnectedError",
+        "ServiceRequestError",
+        "ServiceResponseError",
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ServerTimeoutError",
+    )
