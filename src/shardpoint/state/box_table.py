@@ -134,11 +134,12 @@ class _Table:
         if len(decoded) == 1 and world > 1:  # the same keys on every rank: grouped by key by a transposition
             self.shape = (world, int(counts[0]))
             self.key = np.repeat(ids[0], world)
-            self.rank = np.tile(np.arange(world), self.shape[1])
+            self.rank = np.tile(np.arange(world, dtype=_index_type(world)), self.shape[1])
         else:
             key = np.concatenate([*ids, np.zeros(0, np.int32)])
             self.order = np.argsort(key.astype(np.uint16) if len(index) <= 1 << 16 else key, kind="stable")
-            self.key, self.rank = key[self.order], np.repeat(np.arange(world), counts)[self.order]
+            self.key = key[self.order]
+            self.rank = np.repeat(np.arange(world, dtype=_index_type(world)), counts)[self.order]
         self.first = np.ones(len(self.key), np.bool_)  # the first box of its key
         self.first[1:] = self.key[1:] != self.key[:-1]
         columns = [self._sorted(c) for c in _columns(gathered, arrays)]
@@ -151,13 +152,13 @@ class _Table:
         scopes: dict[tuple[int, ...], int] = {}
         scope_of_rank = np.array([scopes.setdefault(b.scope, len(scopes)) for b in gathered] + [0], np.int64)
         self.scopes = len(scopes) or 1
-        self.scope = scope_of_rank[self.rank] if self.scopes > 1 else np.zeros(len(self.key), np.int64)
+        self.scope = scope_of_rank[self.rank] if self.scopes > 1 else np.zeros(len(self.key), np.int8)
         self.rank_local_bytes = sum(b.rank_local_bytes for b in gathered)
 
     def _sorted(self, column: np.ndarray) -> np.ndarray:
-        """``column`` (in rank order) in key order; a constant column as it is."""
+        """``column`` (in rank order) in key order; a constant one as a view of its value (so nothing is kept)."""
         if not len(column) or column.min() == column.max():
-            return column
+            return np.broadcast_to(np.array(column[:1]), column.shape)
         if self.order is None:
             return column.reshape(self.shape).T.ravel()
         return column[self.order]
@@ -211,17 +212,23 @@ def _grid(t: _Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     disagree = _keys_of(t, np.flatnonzero(differ & ~t.first[1:]) + 1)
     partial = _keys_of(t, np.flatnonzero(whole))
     check = ~disagree[t.key] & nonempty
-    every = bool(check.all())
-    picked = np.flatnonzero(check)
-    found, counts, bad = _cells(t, None if every else picked)
-    cell = np.full(len(t.key), -1, np.int64)
+    picked = None if check.all() else np.flatnonzero(check)
+    found, counts, bad = _cells(t, picked)
     good = ~disagree & ~bad
-    keep = good[t.key if every else t.key[picked]]
-    if every:
+    if picked is None and good.all():  # the usual case: every box on a grid
+        return found, counts, np.zeros(len(good), np.bool_)
+    cell = np.full(len(t.key), -1, found.dtype)
+    keep = good[t.key if picked is None else t.key[picked]]
+    if picked is None:
         cell[keep] = found[keep]
     else:
         cell[picked[keep]] = found[keep]
     return cell, np.where(good, counts, 0), partial & (disagree | bad)
+
+
+def _index_type(largest: int) -> type:
+    """32-bit integers for numbers below ``largest`` where they fit (half the memory of rank 0's arrays)."""
+    return np.int32 if largest < 1 << 31 else np.int64
 
 
 def _keys_of(t: _Table, rows: np.ndarray) -> np.ndarray:
@@ -255,11 +262,12 @@ def _cells(t: _Table, picked: np.ndarray | None) -> tuple[np.ndarray, np.ndarray
         product *= per_key
     bad |= product > np.bincount(holders, minlength=nkeys)  # more cells than boxes: no grid
     counts = np.where(bad, 0, product).astype(np.int64)
-    cell = np.zeros(len(key), np.int64)
-    stride = np.ones(nkeys, np.int64)
+    kind = _index_type(len(key))  # a cell's number is below its key's count of boxes
+    cell = np.zeros(len(key), kind)
+    stride = np.ones(nkeys, kind)
     for span, per_key in reversed(spans):
         cell += span * stride[key]
-        stride *= np.where(bad, 1, per_key)
+        stride *= np.where(bad, 1, per_key).astype(kind)
     bad |= _uncovered(holders, cell if holders is key else cell[canonical], counts)
     return cell, counts, bad
 
@@ -286,7 +294,8 @@ def _spans(
     new = first.copy()
     new[1:] |= offset[1:] != offset[:-1]
     bad[key[1:][~new[1:] & (size[1:] != size[:-1])]] = True
-    group = np.cumsum(new) - 1
+    group = np.cumsum(new, dtype=_index_type(len(new)))
+    group -= 1
     start, length, owner, begins = offset[new], size[new], key[new], first[new]
     if not canonical.all():  # each span held by a canonical box
         held = np.concatenate(([0], np.cumsum(canonical)))[np.append(np.flatnonzero(new), len(new))]
@@ -295,7 +304,8 @@ def _spans(
     bad[owner[begins & (start != 0)]] = True
     bad[owner[1:][~begins[1:] & (start[1:] != end[:-1])]] = True
     bad[owner[np.append(begins[1:], True) & (end != full[new])]] = True
-    span = (np.arange(len(start)) - np.flatnonzero(begins)[np.cumsum(begins) - 1])[group]
+    kind = _index_type(len(start))
+    span = (np.arange(len(start), dtype=kind) - np.flatnonzero(begins).astype(kind)[np.cumsum(begins) - 1])[group]
     if order is not None:
         span[order] = span.copy()
     return span, np.bincount(owner, minlength=len(bad))
@@ -303,7 +313,7 @@ def _spans(
 
 def _uncovered(key: np.ndarray, cell: np.ndarray, cells: np.ndarray) -> np.ndarray:
     """Keys with a cell of their grid that no canonical box holds (``cells`` 0: not checked)."""
-    base = np.concatenate(([0], np.cumsum(cells)))
+    base = np.concatenate(([0], np.cumsum(cells))).astype(_index_type(int(np.sum(cells)) + 1))
     held = np.zeros(int(base[-1]), np.bool_)
     counted = cells[key] > 0
     if counted.all():
@@ -341,9 +351,12 @@ def _problems(t: _Table, slow: np.ndarray) -> dict[str, str]:
 def _box_ids(t: _Table, cell: np.ndarray, cells: np.ndarray) -> np.ndarray:
     """Each box's number, dense from 0: the same for the same box (key, offset, shape) in the same scope."""
     base = np.concatenate(([0], np.cumsum(cells)))
-    placed = cell >= 0
-    ids = (base[:-1][t.key] + cell) * t.scopes + t.scope
-    rest = np.flatnonzero(~placed)  # empty boxes, tilings that are no grid, differing whole values: few
+    ids = base[:-1].astype(_index_type(int(base[-1]) * t.scopes + len(t.key)))[t.key]
+    ids += cell
+    if t.scopes > 1:
+        ids *= t.scopes
+        ids += t.scope
+    rest = np.flatnonzero(cell < 0)  # empty boxes, tilings that are no grid, differing whole values: few
     if rest.size:
         columns = tuple(c[rest] for c in (*t.shapes[::-1], *t.offsets[::-1], t.ndim, t.scope, t.key))
         order = np.lexsort(columns)
