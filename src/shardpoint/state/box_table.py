@@ -134,7 +134,7 @@ class _Table:
         if len(decoded) == 1 and world > 1:  # the same keys on every rank: grouped by key by a transposition
             self.shape = (world, int(counts[0]))
             self.key = np.repeat(ids[0], world)
-            self.rank = np.tile(np.arange(world, dtype=_index_type(world)), self.shape[1])
+            self.rank: np.ndarray = np.tile(np.arange(world, dtype=_index_type(world)), self.shape[1])
         else:
             key = np.concatenate([*ids, np.zeros(0, np.int32)])
             self.order = np.argsort(key.astype(np.uint16) if len(index) <= 1 << 16 else key, kind="stable")
@@ -263,8 +263,8 @@ def _cells(t: _Table, picked: np.ndarray | None) -> tuple[np.ndarray, np.ndarray
     bad |= product > np.bincount(holders, minlength=nkeys)  # more cells than boxes: no grid
     counts = np.where(bad, 0, product).astype(np.int64)
     kind = _index_type(len(key))  # a cell's number is below its key's count of boxes
-    cell = np.zeros(len(key), kind)
-    stride = np.ones(nkeys, kind)
+    cell: np.ndarray = np.zeros(len(key), kind)
+    stride: np.ndarray = np.ones(nkeys, kind)
     for span, per_key in reversed(spans):
         cell += span * stride[key]
         stride *= np.where(bad, 1, per_key).astype(kind)
@@ -294,7 +294,7 @@ def _spans(
     new = first.copy()
     new[1:] |= offset[1:] != offset[:-1]
     bad[key[1:][~new[1:] & (size[1:] != size[:-1])]] = True
-    group = np.cumsum(new, dtype=_index_type(len(new)))
+    group: np.ndarray = np.cumsum(new, dtype=_index_type(len(new)))
     group -= 1
     start, length, owner, begins = offset[new], size[new], key[new], first[new]
     if not canonical.all():  # each span held by a canonical box
@@ -313,7 +313,7 @@ def _spans(
 
 def _uncovered(key: np.ndarray, cell: np.ndarray, cells: np.ndarray) -> np.ndarray:
     """Keys with a cell of their grid that no canonical box holds (``cells`` 0: not checked)."""
-    base = np.concatenate(([0], np.cumsum(cells))).astype(_index_type(int(np.sum(cells)) + 1))
+    base: np.ndarray = np.concatenate(([0], np.cumsum(cells))).astype(_index_type(int(np.sum(cells)) + 1))
     held = np.zeros(int(base[-1]), np.bool_)
     counted = cells[key] > 0
     if counted.all():
