@@ -80,6 +80,7 @@ __all__ = [
     "padded",
     "read",
     "share_outline",
+    "tensor_of",
     "write",
 ]
 
@@ -156,11 +157,11 @@ class ChunkIndex:
         """
         saved = sorted(metadata.state_dict_metadata)
         tensors = [metadata.state_dict_metadata[key] for key in saved]
-        is_tensor = [isinstance(md, TensorStorageMetadata) for md in tensors]
-        listed = [md.chunks if tensor else () for md, tensor in zip(tensors, is_tensor)]  # type: ignore[union-attr]
+        metas = [md if isinstance(md, TensorStorageMetadata) else None for md in tensors]  # None: a stored object
+        listed = [md.chunks if md is not None else () for md in metas]
         counts = np.fromiter(map(len, listed), np.int64, len(listed))
         base = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        shapes = [tuple(md.size) if t else () for md, t in zip(tensors, is_tensor)]  # type: ignore[union-attr]
+        shapes = [tuple(md.size) if md is not None else () for md in metas]
         chunks = list(itertools.chain.from_iterable(listed))
         ndim = np.repeat(np.fromiter(map(len, shapes), np.int64, len(shapes)), counts)
         offsets, extents = [chunk.offsets for chunk in chunks], [chunk.sizes for chunk in chunks]
@@ -172,8 +173,15 @@ class ChunkIndex:
         # (key, offsets) hashes as the MetadataIndex of storage_data: no conversions
         at: dict[tuple[str, torch.Size], int] = dict(zip(zip(keys, offsets), range(len(chunks))))
         file, offset, length, files = _placement(metadata, at, len(chunks))
-        dtypes = [str(md.properties.dtype) if t else None for md, t in zip(tensors, is_tensor)]  # type: ignore[union-attr]
+        dtypes = [str(md.properties.dtype) if md is not None else None for md in metas]
         return cls(saved, dtypes, shapes, base, starts, sizes, file, offset, length, files)
+
+
+def tensor_of(md: TensorStorageMetadata | BytesStorageMetadata, key: str) -> TensorStorageMetadata:
+    """``md``, the metadata of a saved tensor; a key saved as an object has no chunks, no box, no dtype."""
+    if not isinstance(md, TensorStorageMetadata):
+        raise CorruptCheckpointError(f"{key!r} is stored as an object, not a tensor")
+    return md
 
 
 _fqn_offset = operator.attrgetter("fqn", "offset")  # of a MetadataIndex

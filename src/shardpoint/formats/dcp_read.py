@@ -58,6 +58,8 @@ class StreamingReads:
     item is checked against the file's real size before a buffer is sized from its length.
     """
 
+    storage_data: dict[MetadataIndex, Any]  # set by DCP's reader, whose ``set_up_storage_reader`` this extends
+    fs: Any  # the DCP reader's filesystem (local, or fsspec for object stores)
     thread_count = 1
     expected: dict[str, FileRecord] | None = None
     contiguous_items = False
@@ -83,8 +85,8 @@ class StreamingReads:
         elif shares:
             with ThreadPoolExecutor(len(shares), thread_name_prefix="shardpoint-read") as pool:
                 done = [pool.submit(self._read_files, share, per_file, planner) for share in shares]
-                for future in done:
-                    future.result()
+                for pending in done:
+                    pending.result()
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(None)
         return future
@@ -117,7 +119,7 @@ class StreamingReads:
         digest = xxhash.xxh3_64() if record is not None and needed >= record.size * _WHOLE_FILE_SHARE else None
         failure: Exception | None = None
         path = self.fs.concat_path(self.path, name)  # type: ignore[attr-defined]
-        with self.fs.create_stream(path, "rb") as raw:  # type: ignore[attr-defined]
+        with self.fs.create_stream(path, "rb") as raw:
             stream = _Counting(raw)
             _check_extent(stream, max(offset + length for offset, length in places), name)
             position = 0
@@ -185,7 +187,7 @@ class StreamingReads:
             _read_exactly(stream, buffer[head:length], name, digest)
             return buffer[:length]
         start, size = found
-        destination = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        destination = target.reshape(-1).view(torch.uint8).numpy().data
         end = length - _HEAD  # the item's last _HEAD bytes (the tensor's last ones, the directory) are read
         destination[: head - start] = buffer[start:head]  # the tensor's first bytes came with the headers
         _update(digest, buffer[:head])
@@ -276,7 +278,7 @@ class StreamingReads:
         for chunk in chunks:
             if chunk.offsets == index.offset:
                 return chunk.sizes, md.properties.dtype
-        raise CorruptCheckpointError(f"{self.path}: no stored chunk of {index.fqn} at {tuple(index.offset)}")  # type: ignore[attr-defined]
+        raise CorruptCheckpointError(f"{self.path}: no stored chunk of {index.fqn} at {tuple(index.offset or ())}")  # type: ignore[attr-defined]
 
 
 def tensor_record(archive: memoryview | _ArchiveEnds) -> tuple[int, int] | None:
@@ -389,7 +391,7 @@ class ReadBuffers:
 
     def _new(self, size: int) -> memoryview:
         if self.pinned:
-            return memoryview(devices.host_slab(size, pinned=True).numpy())
+            return devices.host_slab(size, pinned=True).numpy().data
         return memoryview(bytearray(size))
 
 

@@ -24,17 +24,17 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import fsspec
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -56,13 +56,12 @@ from torch.futures import Future
 
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord, listed_record
-from shardpoint.errors import CheckpointError, CorruptCheckpointError, TopologyMismatchError, UnsafeCheckpointError
+from shardpoint.errors import CheckpointError, UnsafeCheckpointError
 from shardpoint.formats import dedup, dist_save, load_parts, shared_reads
 from shardpoint.formats.base import (
     FormatContext,
     Loaded,
     read_torch_file,
-    size_difference,
     wanted_summary,
     write_torch_file,
 )
@@ -140,8 +139,8 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         requests = []
         for key, shard in self.shards.items():
             md = self.metadata.state_dict_metadata.get(key)
-            if md is None:
-                continue  # reported as missing by DistFormat before DCP runs
+            if not isinstance(md, TensorStorageMetadata):
+                continue  # missing, or an object: reported by DistFormat before DCP runs
             chunk = ChunkStorageMetadata(offsets=torch.Size(shard.global_offset), sizes=shard.tensor.shape)
             same = _same_chunk(key, md, chunk)
             requests += [same] if same is not None else create_read_items_for_chunk_list(key, md, [chunk])
@@ -207,12 +206,13 @@ class _RecordingStreams:
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        inner = cast(FileSystemBase, super())  # the DCP filesystem this mixin is combined with
         if mode != "wb":
-            with super().create_stream(path, mode) as stream:
+            with inner.create_stream(path, mode) as stream:
                 yield stream
             return
         try:
-            with super().create_stream(path, mode) as raw, without_zip_crc32():
+            with inner.create_stream(path, mode) as raw, without_zip_crc32():
                 writer = HashingWriter(raw)
                 yield writer
                 writer.flush()
@@ -224,7 +224,7 @@ class _RecordingStreams:
             self.records[os.fspath(path)] = writer.record()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
+        cast(FileSystemBase, super()).rename(path, new_path)
         with self._lock:
             if os.fspath(path) in self.records:
                 self.records[os.fspath(new_path)] = self.records.pop(os.fspath(path))
@@ -247,6 +247,9 @@ class _CompleteWrites:
     any writer thread hit (a full disk becomes a StorageError upstream) is raised.
     """
 
+    fs: Any  # the writer's _RecordingStreams filesystem, set by the writer's __init__
+    records: Callable[[], dict[str, FileRecord]]  # this rank's files, relative to the checkpoint (each writer's)
+    copy_file: Callable[[str, str], None]  # a sibling checkpoint's file copied in (writers with copies_referred)
     dedup: Any = None  # formats.dedup.StoredItems: frozen items stored already are referred to, not written
     frozen: frozenset[str] = frozenset()  # the keys dedup may refer to
     referred: Mapping[str, FileRecord] = MappingProxyType({})  # the earlier checkpoints' files referred to
@@ -423,7 +426,7 @@ class DistFormat:
             if ctx.checks is not None:
                 ctx.checks()  # the pipeline's file checks: their outcome rides on this round's
             targets, local["plan"] = self._targets(ctx, flat, meta, outline)
-            _check_shapes(targets, outline, meta, ctx, flat)
+            load_parts.check_shapes(targets, outline, meta, ctx, flat)
             local["present"] = present = {k: s for k, s in targets.items() if k in outline.state_dict_metadata}
             keys = wanted_summary(targets, saved)  # bits, not names: rank 0 receives every rank's
             boxes = load_parts.boxes_of(present, outline, saved)
@@ -441,7 +444,7 @@ class DistFormat:
             metadata, position = whole, {}
         else:
             metadata, position = part.metadata(outline, saved)
-        present, plan = local["present"], local["plan"]
+        present, placement = local["present"], local["plan"]
         planner = ShardLoadPlanner(present, ctx.directory)
         planner.set_up_planner({k: s.tensor for k, s in present.items()}, metadata, comm.rank() == 0)
         items = planner.create_local_plan().items
@@ -471,7 +474,7 @@ class DistFormat:
         def finish(outcome: Any) -> Any:
             """The last round's step, every tensor in place: zero what could not be placed, then the pipeline's
             restore (``ctx.restore``: scheduler, RNG, stateful), whose failure rides on this round's outcome."""
-            rank_local.reinitialise(plan)
+            rank_local.reinitialise(placement)
             local["loaded"] = Loaded(local["common"], local["per_rank"], missing, unexpected)
             if ctx.restore is not None:
                 ctx.restore(local["loaded"])
@@ -479,10 +482,16 @@ class DistFormat:
 
         exchanging = exchange is not None and exchange.needed()  # the same on every rank
         outcomes = comm.agree_all(read, "reading the checkpoint")
-        if exchanging:
-            comm.agree(lambda: finish(exchange.run(planner.resolve_tensor)), "passing tensors to other ranks")
+        if exchanging and exchange is not None:
+            running = exchange
+
+            def pass_on() -> None:
+                running.run(planner.resolve_tensor)
+                finish(None)
+
+            comm.agree(pass_on, "passing tensors to other ranks")
         if ctx.optimizer_reshard == "reinit":
-            rank_local.warn_reinit(list(plan.reinit), ctx.directory)
+            rank_local.warn_reinit(list(placement.reinit), ctx.directory)
         loaded = local["loaded"]
         loaded.checked = set().union(*(names for names, _ in outcomes))
         loaded.bytes_read = outcomes[comm.rank()][1]
@@ -564,30 +573,3 @@ def _write_item(key: str, shard: Shard) -> WriteItem:
             size=torch.Size(shard.global_shape),
         ),
     )
-
-
-def _check_shapes(
-    shards: dict[str, Shard], metadata: Metadata, meta: CheckpointMetadata, ctx: FormatContext, flat: FlatState
-) -> None:
-    """Refuse a size difference, or retarget a whole model tensor to its saved size (``FlatState.resize``)."""
-    current: dict[int, str] = {}
-    for key, shard in shards.items():
-        md = metadata.state_dict_metadata.get(key)
-        if md is None:
-            continue
-        if not isinstance(md, TensorStorageMetadata):
-            raise CorruptCheckpointError(f"{ctx.directory}: {key!r} is stored as an object, not a tensor")
-        saved = tuple(md.size)
-        if saved != shard.global_shape:
-            what = f"tensor {key!r} has global shape {saved} in {ctx.directory} but {shard.global_shape} here"
-            if meta.topology == ctx.topology.describe():
-                current = current or {id(s): k for k, s in flat.tensors.items()}
-                resized = flat.resize(current.get(id(shard), key), saved)
-                if resized is None:
-                    raise size_difference(what)
-                shards[key] = resized
-                continue
-            raise TopologyMismatchError(
-                f"{what}: the layout tp={ctx.topology.tp_size} pp={ctx.topology.pp_size} dp={ctx.topology.dp_size} "
-                f"does not divide it the way the model expects; choose sizes that divide {saved}"
-            )

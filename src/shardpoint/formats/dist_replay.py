@@ -31,7 +31,7 @@ save; a failed one empties it on every rank.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +68,7 @@ class SavePlanCache:
     plan: SavePlan | None = None
     results: list[WriteResult] | None = None
     records: list[Any] | None = None  # rank 0: every rank's RankRecords of the last planned save
-    metadata_chunks: list[bytes] | None = None  # rank 0: the ``.metadata`` stream assembled from them
+    metadata_chunks: list[bytes | memoryview] | None = None  # rank 0: the ``.metadata`` stream assembled from them
     index: bytes | None = None  # rank 0: the chunk index written with it (formats.chunk_index)
     replicas: Any = None  # the last full replica check's ReplicaReport: shared boxes, the job's size
     replay: bool = False
@@ -144,7 +144,7 @@ def write_with_plan(writer: Any, planner: Any, state_dict: dict[str, Any], plan:
     return list(writer.write_data(final, planner).value())
 
 
-def write_metadata(writer: Any, chunks: list[bytes]) -> None:
+def write_metadata(writer: Any, chunks: Sequence[bytes | memoryview]) -> None:
     """What DCP's ``finish`` does with its pickle: a durable ``.metadata``, written aside, then renamed."""
     tmp = writer.fs.concat_path(writer.path, _METADATA + ".tmp")
     with writer.fs.create_stream(tmp, "wb") as stream:

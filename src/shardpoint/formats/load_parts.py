@@ -36,20 +36,22 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from shardpoint.catalog.metadata import FileRecord
-from shardpoint.errors import CorruptCheckpointError
+from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord
+from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
 from shardpoint.formats import chunk_index, dcp_metadata, read_plan
-from shardpoint.formats.base import unexpected_keys, wanted_keys
-from shardpoint.formats.chunk_index import INDEX_NAME, ChunkIndex, padded
+from shardpoint.formats.base import FormatContext, size_difference, unexpected_keys, wanted_keys
+from shardpoint.formats.chunk_index import INDEX_NAME, ChunkIndex, padded, tensor_of
 from shardpoint.formats.shared_reads import Assignment
 from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
+from shardpoint.state.train_state import FlatState
 
 __all__ = [
     "Part",
     "Request",
     "boxes_of",
     "check_metadata_beside_index",
+    "check_shapes",
     "plan",
     "share_outline",
     "stores_any",
@@ -116,7 +118,8 @@ def boxes_of(present: Mapping[str, Shard], outline: Metadata, saved: Sequence[st
     Columns by comprehensions, no numpy store per target (10,000 targets on a rank of small tensors).
     """
     at = {key: i for i, key in enumerate(saved)}
-    shards, dtypes = list(present.values()), [outline.state_dict_metadata[key].properties.dtype for key in present]
+    tensors = outline.state_dict_metadata
+    shards, dtypes = list(present.values()), [tensor_of(tensors[key], key).properties.dtype for key in present]
     ids = np.fromiter(map(at.__getitem__, present), np.int32, len(present))
     usable = [s.tensor.dtype == dtype and s.tensor.is_contiguous() for s, dtype in zip(shards, dtypes)]
     offsets, shapes = [s.global_offset for s in shards], [s.tensor.shape for s in shards]
@@ -156,7 +159,7 @@ class Part:
         """
         tensors = dict(outline.state_dict_metadata)
         keys = [saved[k] for k in self.keys.tolist()]
-        dims = [len(tensors[key].size) for key in keys]
+        dims = [len(tensor_of(tensors[key], key).size) for key in keys]
         offsets = [torch.Size(row[:n]) for row, n in zip(self.starts.tolist(), dims)]
         sizes = [torch.Size(row[:n]) for row, n in zip(self.sizes.tolist(), dims)]
         indices = list(map(MetadataIndex, keys, offsets))
@@ -172,7 +175,7 @@ class Part:
         for key, chunk in zip(keys, map(ChunkStorageMetadata, offsets, sizes)):
             chunks.setdefault(key, []).append(chunk)
         for key, listed in chunks.items():
-            md = tensors[key]
+            md = tensor_of(tensors[key], key)
             tensors[key] = TensorStorageMetadata(md.properties, md.size, listed)
         metadata = dataclasses.replace(outline, state_dict_metadata=tensors, storage_data=storage)
         return metadata, dict(zip(indices, self.positions.tolist()))
@@ -388,3 +391,30 @@ def _band_pairs(
         pairs_c.append(c[hit])
         begin = end
     return np.concatenate(pairs_b), np.concatenate(pairs_c)
+
+
+def check_shapes(
+    shards: dict[str, Shard], metadata: Metadata, meta: CheckpointMetadata, ctx: FormatContext, flat: FlatState
+) -> None:
+    """Refuse a size difference, or retarget a whole model tensor to its saved size (``FlatState.resize``)."""
+    current: dict[int, str] = {}
+    for key, shard in shards.items():
+        md = metadata.state_dict_metadata.get(key)
+        if md is None:
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{ctx.directory}: {key!r} is stored as an object, not a tensor")
+        saved = tuple(md.size)
+        if saved != shard.global_shape:
+            what = f"tensor {key!r} has global shape {saved} in {ctx.directory} but {shard.global_shape} here"
+            if meta.topology == ctx.topology.describe():
+                current = current or {id(s): k for k, s in flat.tensors.items()}
+                resized = flat.resize(current.get(id(shard), key), saved)
+                if resized is None:
+                    raise size_difference(what)
+                shards[key] = resized
+                continue
+            raise TopologyMismatchError(
+                f"{what}: the layout tp={ctx.topology.tp_size} pp={ctx.topology.pp_size} dp={ctx.topology.dp_size} "
+                f"does not divide it the way the model expects; choose sizes that divide {saved}"
+            )

@@ -222,7 +222,7 @@ class _Columns:
                 kind = {1: "u1", 2: "<u2", 4: "<i4", 8: "<i8"}[width]
                 out[:, at : at + width] = part[0].astype(kind).view(np.uint8).reshape(n, width)
             at += width
-        return memoryview(out.reshape(-1))  # no copy: the array lives as long as the stream's pieces
+        return out.reshape(-1).data  # no copy: the array lives as long as the stream's pieces
 
 
 @dataclass

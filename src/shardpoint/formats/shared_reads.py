@@ -54,6 +54,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from shardpoint.formats.chunk_index import tensor_of
 from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
 
@@ -152,7 +153,8 @@ class Exchange:
 
     def read_items(self) -> tuple[list[ReadItem], dict[str, Shard]]:
         """This rank's reads (its items in its files, whole chunks for others) and the extra targets they fill."""
-        plan, extra = [], {}
+        plan: list[ReadItem] = []
+        extra: dict[str, Shard] = {}
         for at, wanted in self.mine.items():
             if self.reader_of(at) == self.rank or at in self.direct:
                 plan += wanted
@@ -167,8 +169,8 @@ class Exchange:
             sizes, dtype = self._chunk(at)
             key = f"{_PEER}{len(extra)}"
             self.chunks[at] = buffer = torch.empty(sizes, dtype=dtype)
-            global_shape = tuple(self.metadata.state_dict_metadata[index.fqn].size)
-            extra[key] = Shard(buffer, global_shape, tuple(index.offset))
+            global_shape = tuple(tensor_of(self.metadata.state_dict_metadata[index.fqn], index.fqn).size)
+            extra[key] = Shard(buffer, global_shape, tuple(index.offset or ()))
             zeros = torch.Size([0] * len(sizes))
             plan.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(key, index.offset), zeros, index, zeros, sizes))
         return plan, extra
@@ -245,7 +247,7 @@ def _whole_target(
 
 
 def _chunk(metadata: Metadata, index: MetadataIndex) -> tuple[torch.Size, torch.dtype]:
-    md = metadata.state_dict_metadata[index.fqn]
+    md = tensor_of(metadata.state_dict_metadata[index.fqn], index.fqn)
     for chunk in md.chunks:
         if chunk.offsets == index.offset:
             return chunk.sizes, md.properties.dtype
