@@ -128,13 +128,15 @@ def test_replication_flags_give_the_local_tier_its_replicas():
     assert Session._local_options(factor3) == {"local_dir": "/x", "local_interval": 2, "local_replicas": 2}
 
 
-def test_config_records_the_query_groups_the_model_has():
+def test_query_groups_are_compared_only_with_grouped_query_attention():
     """Without --group-query-attention Megatron ignores --num-query-groups (and --use-checkpoint-args changes it)."""
-    from shardpoint.integrations.megatron.loop import model_config
+    from shardpoint.integrations.megatron.loop import config_options
 
     mha = argparse.Namespace(
         num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=1
     )
-    assert model_config(mha)["num_query_groups"] == 4
+    assert "num_query_groups" in config_options(mha)["allow_config_mismatch"]
     gqa = argparse.Namespace(**vars(mha), group_query_attention=True)
-    assert model_config(gqa)["num_query_groups"] == 1
+    options = config_options(gqa)
+    assert "num_query_groups" not in options["allow_config_mismatch"] and options["config"]["num_query_groups"] == 1
+    assert "group_query_attention" in options["allow_config_mismatch"]  # run arguments are not compared

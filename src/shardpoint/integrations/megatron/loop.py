@@ -100,17 +100,19 @@ def strictness(args: argparse.Namespace) -> bool | str:
     return _STRICT.get(str(getattr(args, "dist_ckpt_strictness", None) or "assume_ok_unexpected"), False)
 
 
-def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The model arguments a load compares (``Checkpointer(config=)``).
+def config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``config`` and ``allow_config_mismatch`` of the Checkpointers: a load compares the model's arguments only.
 
-    Without ``--group-query-attention`` Megatron ignores ``--num-query-groups`` (every
-    head is its own group), and ``--use-checkpoint-args`` may leave it changed: the
-    number of groups the model really has is recorded instead.
+    A checkpoint ``convert --from megatron`` imported records all of Megatron's args,
+    which differ from run to run. Without ``--group-query-attention`` Megatron ignores
+    ``--num-query-groups`` (every head is its own group; ``--use-checkpoint-args`` may
+    change it), so it is compared only with grouped-query attention.
     """
     config = {k: getattr(args, k, None) for k in MODEL_ARGS if _is_json(getattr(args, k, None))}
+    allowed = set(vars(args)) - set(MODEL_ARGS)
     if not getattr(args, "group_query_attention", False):
-        config["num_query_groups"] = config.get("num_attention_heads")
-    return config
+        allowed.add("num_query_groups")
+    return {"config": config, "allow_config_mismatch": sorted(allowed)}
 
 
 def _args_json(args: argparse.Namespace) -> dict[str, Any]:
@@ -186,9 +188,7 @@ class Session:
             options = {
                 "topology": _topology(),
                 "async_save": bool(getattr(args, "async_save", False)),
-                "config": model_config(args),
-                # a checkpoint `convert --from megatron` imported records all of Megatron's args: compare the model's
-                "allow_config_mismatch": sorted(set(vars(args)) - set(MODEL_ARGS)),
+                **config_options(args),
                 **self._retention(args, path),
                 **self.options,
                 **extra,
