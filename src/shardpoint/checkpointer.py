@@ -122,7 +122,7 @@ class Checkpointer:
         *,
         topology: Topology | None = None,
         format: str = "dist",
-        layout: str = "megatron",
+        layout: str | Layout = "megatron",
         save_interval: int | None = None,
         save_interval_minutes: float | None = None,
         keep_last: int | None = None,
@@ -386,13 +386,20 @@ def _checked_files(files: Mapping[str, bytes] | None) -> dict[str, bytes]:
 
 def _load_pipeline(ckpt: Checkpointer, allow_config_mismatch: Iterable[str]) -> LoadPipeline:
     """The loads of ``ckpt``: from its directory, its upload mirror and its node-local view."""
-    remote = (ckpt.mirror.storage, ckpt.mirror.root) if ckpt.mirror else (None, None)
-    sources = LoadSources(ckpt.storage, ckpt.root, ckpt.layout, *remote, ckpt._node)
+    mirror = ckpt.mirror
+    sources = LoadSources(
+        ckpt.storage,
+        ckpt.root,
+        ckpt.layout,
+        remote=mirror.storage if mirror else None,
+        remote_root=mirror.root if mirror else None,
+        node=ckpt._node,
+    )
     return LoadPipeline(
         sources,
         ckpt.topology,
         config=ckpt.config,
-        allow_config_mismatch=allow_config_mismatch,
+        allow_config_mismatch=tuple(allow_config_mismatch),
         thread_count=ckpt.thread_count,
     )
 

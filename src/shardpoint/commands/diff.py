@@ -54,7 +54,7 @@ def compare(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], atol: 
     """Keys only in ``a`` or ``b``, and per common key whether and how much it differs."""
     if atol < 0 or math.isnan(atol):
         raise ValueError(f"--atol must be >= 0, got {atol}")
-    changed = []
+    changed: list[dict[str, Any]] = []
     for key in sorted(set(a) & set(b)):
         x, y = a[key], b[key]
         if x.shape != y.shape or x.dtype != y.dtype:

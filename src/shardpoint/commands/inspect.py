@@ -348,7 +348,7 @@ def _show_one(out: Output, storage: Storage, path: str, iteration: int | None, t
 def _referred_line(meta: CheckpointMetadata) -> str:
     if not meta.referred_bytes:
         return "-"
-    dirs = sorted({referred_dir(n) for n in meta.files} - {None})
+    dirs = sorted({d for n in meta.files if (d := referred_dir(n)) is not None})
     return f"refers to {human_bytes(meta.referred_bytes)} of files in {', '.join(dirs)} (frozen tensors not rewritten)"
 
 

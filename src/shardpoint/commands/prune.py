@@ -85,13 +85,13 @@ def plan(root: str, policies: list[PreservationPolicy], storage: Storage | None 
                 "this local_dir keeps local_keep of them per node; prune works on persistent save directories"
             )
         offline.resolve(root, storage=storage)  # raises the one-sentence "not a checkpoint" error
-    if found and not any(e.committed and e.iteration == tracked for e in listed):
+    if found and layout is not None and not any(e.committed and e.iteration == tracked for e in listed):
         raise CorruptCheckpointError(
             f"the tracker {layout.tracker_name} under {root} names {layout.dir_name(tracked)}, which is not a "
             "committed checkpoint; fix the tracker first, since pruning keeps what it names"
         )
     entries = {e.iteration: e for e in listed if e.committed and e.iteration is not None}
-    infos = [CheckpointInfo(it, e.meta.metrics) for it, e in sorted(entries.items())]
+    infos = [CheckpointInfo(it, e.marker().metrics) for it, e in sorted(entries.items())]
     doomed = set(select_for_deletion(infos, policies, {tracked} if tracked is not None else set()))
     rows = []
     for iteration, entry in sorted(entries.items()):
@@ -100,7 +100,7 @@ def plan(root: str, policies: list[PreservationPolicy], storage: Storage | None 
             {
                 "name": entry.name,
                 "iteration": iteration,
-                "bytes": entry.meta.stored_bytes,  # what deleting it frees (referred files stay with their owner)
+                "bytes": entry.marker().stored_bytes,  # what deleting it frees (referred files stay with their owner)
                 "delete": iteration in doomed,
                 "kept_by": reason,
             }

@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     world = args.tp * args.pp * args.dp
     if args.nnodes < 1 or world % args.nnodes:
         raise sp.CheckpointError(f"--nnodes {args.nnodes} must divide the world size tp*pp*dp = {world}")
-    settings = replace(settings, output=output_dir(settings))
+    output = output_dir(settings)
+    settings = replace(settings, output=output)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is noise here
     stream = sys.stderr if args.json else sys.stdout
     # Not a terminal (a log, a pipe): no width to fit, so keep the table on one line per row.
@@ -126,11 +127,11 @@ def run(args: argparse.Namespace) -> int:
     show = not args.quiet and not args.json
     if args.nnodes > 1:
         with loopback_s3(settings.directory) as remote:
-            phases, problems = run_cluster_demo(settings, args.nnodes, remote, settings.output, console, show)
+            phases, problems = run_cluster_demo(settings, args.nnodes, remote, output, console, show)
     else:
         phases, problems = run_demo(settings, console, show_progress=show)
     wall = time.perf_counter() - started
-    written = os.path.join(settings.output, "loss.png")
+    written = os.path.join(output, "loss.png")
     plot = written if os.path.exists(written) else None  # none without matplotlib (plot_losses says so)
     if args.json:
         print(

@@ -257,6 +257,8 @@ class GPTModel(torch.nn.Module):
     def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor | None) -> torch.Tensor:
         """This stage's part: embed ``tokens`` on the first stage, else continue from ``hidden``."""
         x = self.embedding(tokens) if self.embedding is not None else hidden
+        if x is None:
+            raise ValueError(f"pipeline stage {self.ps.pp_rank} needs the previous stage's hidden states")
         for layer in self.layers:
             x = layer(x)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
@@ -269,7 +271,10 @@ class GPTModel(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Last stage: this tp rank's vocabulary slice of the logits."""
-        return F.linear(copy_to_tp(hidden, self.ps.tp_group), self.word_embeddings_weight())
+        weight = self.word_embeddings_weight()
+        if weight is None:
+            raise ValueError(f"pipeline stage {self.ps.pp_rank} holds no output weights: logits are the last stage's")
+        return F.linear(copy_to_tp(hidden, self.ps.tp_group), weight)
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Last stage: mean next-token cross-entropy over the micro-batch."""
@@ -282,6 +287,8 @@ class GPTModel(torch.nn.Module):
         if self.embedding is not None:
             out.update(self.embedding.sharded_state_dict())
         for layer in self.layers:
+            if not isinstance(layer, TransformerLayer):
+                raise TypeError(f"{type(layer).__name__} among the decoder layers, which are TransformerLayers")
             out.update(layer.sharded_state_dict())
         if self.final_layernorm is not None:
             out.update(self.final_layernorm.sharded_state_dict())

@@ -10,11 +10,12 @@ to any other dp size on load (DeepSpeed needs a "universal checkpoint" step for 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import ParamsT
 
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import find_param, param_shard_index
@@ -38,14 +39,14 @@ class DistributedAdamW(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.nn.Parameter],
+        params: ParamsT,
         dp_group: Any = None,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ):
-        super().__init__(list(params), {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
@@ -66,7 +67,7 @@ class DistributedAdamW(torch.optim.Optimizer):
         return start, min(start + per, p.shape[0])
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # torch's may return a closure's loss
         self.step_count += 1
         step = int(self.step_count)
         for group in self.param_groups:

@@ -139,7 +139,9 @@ def run_function(fn: Callable, world: int, *args: Any, timeout: float = 600.0) -
         p.start()
     deadline = time.perf_counter() + timeout
     while any(p.exitcode is None for p in procs):
-        failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        failed: list[tuple[int, int | None]] = [
+            (i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)
+        ]
         if failed or time.perf_counter() > deadline:
             _kill(procs)
             raise RankFailedError(_failure_message(failed, None))

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 __all__ = ["PhaseReport", "Recovery", "compare_losses", "plot_losses", "render_table", "summary_json"]
@@ -93,7 +93,7 @@ def compare_losses(losses: Mapping[int, float], reference: Mapping[int, float]) 
 def render_table(phases: Sequence[PhaseReport], console: Console) -> None:
     """Print the closing table (phase, layout, steps, loss, comparison, save seconds, GB written), then notes."""
     table = Table(title="shardpoint demo", title_justify="left")
-    for column, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("phase", "left"),
         ("tp×pp×dp", "left"),
         ("steps", "right"),
@@ -101,8 +101,9 @@ def render_table(phases: Sequence[PhaseReport], console: Console) -> None:
         ("vs uninterrupted", "left"),
         ("save s", "right"),
         ("GB written", "right"),
-    ):
-        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    )
+    for column, justify in columns:
+        table.add_column(column, justify=justify, no_wrap=True)
     for phase in phases:
         loss = f"{phase.final_loss:.4f}" if phase.final_loss is not None else "-"
         table.add_row(

@@ -151,7 +151,7 @@ def from_shardpoint(path: str, iteration: int | None = None) -> ForeignCheckpoin
 
 
 def _model_rank(order: list[str]) -> Any:
-    ranked = list(model_order(dict.fromkeys(order, None)))  # type: ignore[arg-type]
+    ranked = list(model_order(dict.fromkeys(order, None)))
     position = {n: i for i, n in enumerate(ranked)}
     return lambda name: position.get(name, len(position))
 

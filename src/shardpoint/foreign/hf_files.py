@@ -148,10 +148,10 @@ def _weight_files(directory: str) -> dict[str, list[str] | None]:
         weight_map = _read_json(index, "an index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CorruptCheckpointError(f"{index} is damaged: it has no weight_map")
-        files: dict[str, list[str] | None] = {}
+        placed: dict[str, list[str]] = {}
         for tensor, file in weight_map.items():
-            files.setdefault(check_member_name(file, index), []).append(tensor)  # type: ignore[union-attr]
-        return files
+            placed.setdefault(check_member_name(file, index), []).append(tensor)
+        return {**placed}
     if os.path.exists(os.path.join(directory, WEIGHTS)):
         return {WEIGHTS: None}
     raise CheckpointError(

@@ -195,8 +195,8 @@ def split_buckets(state: dict[str, Any]) -> dict[int, Buckets]:
     Returns ``{chain: {(group, gbuf, dtype, bucket): {key: tensor}}}``; empty without buckets.
     """
     buckets: dict[int, Buckets] = {}
-    for key in [k for k in state if _BUCKET.match(k)]:
-        chain, group, gbuf, dtype, bucket, name = _BUCKET.match(key).groups()  # type: ignore[union-attr]
+    for key, match in [(k, m) for k in state if (m := _BUCKET.match(k))]:
+        chain, group, gbuf, dtype, bucket, name = match.groups()
         place = (int(group), int(gbuf), dtype, int(bucket))
         buckets.setdefault(int(chain or 0), {}).setdefault(place, {})[name] = state.pop(key)
     return buckets

@@ -33,7 +33,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -71,6 +72,8 @@ from shardpoint.offline import single_process
 __all__ = ["is_torch_dist_dir", "model_order", "read_torch_dist"]
 
 log = logging.getLogger(__name__)
+
+V = TypeVar("V")
 
 _OPT = MODEL_SPACE  # optimizer.state.<exp_avg|exp_avg_sq|param>.<model key>
 _LOCAL_SPEC_NAMES = {
@@ -254,7 +257,7 @@ def _unstack(key: str, value: torch.Tensor, num_layers: int, local_spec: bool) -
     return [(f"{prefix}layers.{i}.{rest}", value[i].clone()) for i in range(num_layers)]
 
 
-def model_order(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_order(params: Mapping[str, V]) -> dict[str, V]:
     """GPTModel's parameter order (embedding, layers in order, final norm, output), as the legacy format has it."""
 
     def rank(name: str) -> tuple:

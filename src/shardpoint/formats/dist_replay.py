@@ -87,7 +87,7 @@ class SavePlanCache:
 
     def clear(self) -> None:
         """The save failed: plan the next one from scratch."""
-        self.__init__()  # type: ignore[misc]
+        vars(self).update(vars(SavePlanCache()))  # every field back to its default
 
 
 def fingerprint(plan: SavePlan, rank: int, world: int) -> str:

@@ -102,5 +102,5 @@ def install_load_hook() -> None:
             return load_checkpoint_dict(path_or_url, map_location=map_location)
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
-    pl_load.shardpoint_load = True  # type: ignore[attr-defined]
+    pl_load.shardpoint_load = True  # type: ignore[attr-defined]  # a marker: functions take attributes at run time
     saving.pl_load = pl_load

@@ -73,7 +73,7 @@ def fingerprint(tensor: torch.Tensor) -> tuple[str, int]:
     if data.device.type != "cpu":
         data = data.cpu()
     raw = data.contiguous().reshape(-1).view(torch.uint8)
-    return str(data.dtype), xxhash.xxh3_64_intdigest(memoryview(raw.numpy()))  # type: ignore[arg-type]
+    return str(data.dtype), xxhash.xxh3_64_intdigest(raw.numpy().data)
 
 
 def check_replicas(
