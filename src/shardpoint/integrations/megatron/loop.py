@@ -92,7 +92,7 @@ NOT_APPLICABLE = ("ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
 # --dist-ckpt-strictness -> Checkpointer.load(strict=). Megatron's "unexpected" keys are the ones the job asks
 # for and the checkpoint lacks (shardpoint's "missing"); its "missing" ones are saved keys nothing asks for.
-_STRICT = {"assume_ok_unexpected": "missing", "raise_unexpected": "missing", "raise_all": True}
+_STRICT: dict[str, bool | str] = {"assume_ok_unexpected": "missing", "raise_unexpected": "missing", "raise_all": True}
 
 
 def strictness(args: argparse.Namespace) -> bool | str:
@@ -385,6 +385,8 @@ class Session:
         from megatron.training import checkpointing
 
         found = committed_dir(root)
+        if found is None:  # is_shardpoint found it a moment ago: the tracker was replaced meanwhile
+            raise CheckpointError(f"{root}: the tracker no longer names a checkpoint; is another job saving here?")
         saved, iteration = saved_args(found)
         state = {"args": saved, "iteration": iteration, "checkpoint_version": 3.0}
         original = checkpointing._load_base_checkpoint
@@ -449,7 +451,7 @@ def _training_module(name: str) -> Any:
 
 
 def _has_checkpoint(root: str | None) -> bool:
-    return bool(root) and os.path.isfile(os.path.join(root, TRACKER))
+    return bool(root and os.path.isfile(os.path.join(root, TRACKER)))
 
 
 def _progress(args: argparse.Namespace, flops: float) -> dict[str, Any]:

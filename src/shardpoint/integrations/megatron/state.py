@@ -93,7 +93,8 @@ class MegatronModel(torch.nn.Module):
         skipped = []
         for chunk in self.chunks:
             names = {_storage(t): n for n, t in [*chunk.named_parameters(), *chunk.named_buffers()] if t is not None}
-            for value in _leaves(chunk.sharded_state_dict()):
+            megatron_module: Any = chunk  # a Megatron MegatronModule; torch's Module type does not know the method
+            for value in _leaves(megatron_module.sharded_state_dict()):
                 kind = type(value).__name__
                 if kind == "ShardedTensorFactory":
                     self._add_factory(value, names, shards)
