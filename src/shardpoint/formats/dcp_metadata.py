@@ -78,6 +78,9 @@ class SafeMetadata:
     metadata_record: FileRecord | None = None
     listed: Mapping[str, FileRecord] | None = None
     metadata_checked: frozenset[str] = frozenset()
+    # given by the FileSystemReader this is mixed into (declared for the type checker only)
+    fs: Any
+    path: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -93,7 +96,7 @@ class SafeMetadata:
         """The bytes of ``.metadata`` from storage, checked against :attr:`metadata_record` if set."""
         path = self._metadata_path()
         if self.listed is not None:
-            listed_record(self.listed, DCP_METADATA, str(self.path), "the dist format")  # type: ignore[attr-defined]
+            listed_record(self.listed, DCP_METADATA, str(self.path), "the dist format")
         try:
             with self.fs.create_stream(path, "rb") as f:
                 data = f.read()
@@ -126,7 +129,7 @@ class SafeMetadata:
             raise CorruptCheckpointError(f"{path} does not hold DCP metadata")
         listed = self.listed
         if listed is not None:
-            where = str(self.path)  # type: ignore[attr-defined]
+            where = str(self.path)
             check_stored_items(metadata, lambda name: listed_record(listed, name, where, DCP_METADATA).size, where)
         return metadata
 
