@@ -394,7 +394,7 @@ def _not_writer(t: _Table, ids: np.ndarray, rows: np.ndarray, size: np.ndarray) 
     """For each of ``rows`` (boxes several ranks hold): whether a rank other than its own writes that box.
 
     The boxes held by the same ranks (a data-parallel group's) are split among those
-    ranks in order of bytes: holder ``j`` of ``n`` writes those whose middle byte falls
+    ranks in a scrambled order of bytes: holder ``j`` of ``n`` writes those whose middle byte falls
     in the ``j``-th ``n``-th of the group's bytes, about ``1/n`` each (DCP's greedy
     ``dedup_save_plans`` balances alike, one box at a time). Ranks are grouped by a
     signature of the set (first holder, count, sums of ranks and of their squares): two
@@ -407,7 +407,11 @@ def _not_writer(t: _Table, ids: np.ndarray, rows: np.ndarray, size: np.ndarray) 
     count = np.diff(np.append(begin, len(rows)))
     nbytes = size[ids[rows][begin]].astype(np.float64)
     sums = np.add.reduceat(rank, begin), np.add.reduceat(rank * rank, begin)
-    by_set = np.lexsort((np.arange(len(begin)), *sums, count, rank[begin]))
+    # within a set, boxes in a scrambled order (a fixed odd multiplier, mod 2**64): in key order, keys that
+    # sort together (a frozen encoder's, stored once) would all fall to one holder, which then writes
+    # nothing in later saves
+    scrambled = np.arange(len(begin), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    by_set = np.lexsort((scrambled, *sums, count, rank[begin]))
     signature = np.stack([rank[begin], count, *sums])[:, by_set]
     firsts = np.append(True, (signature[:, 1:] != signature[:, :-1]).any(axis=0))
     start_at = np.maximum.accumulate(np.where(firsts, np.arange(len(by_set)), 0))
