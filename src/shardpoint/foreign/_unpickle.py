@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import importlib
 import io
 import logging
 import os
@@ -42,7 +43,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from numpy._core import multiarray as _np_multiarray
 
 from shardpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from shardpoint.storage.safe_io import RestrictedUnpickler, load_dcp_metadata
@@ -60,6 +60,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+# numpy 2 moved numpy.core to numpy._core; the package supports numpy >= 1.24
+_np_multiarray = importlib.import_module("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray")
 
 
 class GlobalName:
