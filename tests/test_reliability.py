@@ -246,7 +246,10 @@ def rewrite_checksums(directory: Path) -> None:
 
     marker_path = directory / "shardpoint.json"
     marker = json.loads(marker_path.read_text())
-    for name in marker["files"]:
+    for name in list(marker["files"]):
+        if not (directory / name).exists():  # a file the attacker removed: the marker stops listing it
+            del marker["files"][name]
+            continue
         record = record_file(LocalStorage(directory), str(directory / name))
         marker["files"][name] = {"size": record.size, "xxh3_64": record.xxh3_64}
     marker_path.write_text(json.dumps(marker))
@@ -269,6 +272,13 @@ def test_pickle_payload_in_dcp_metadata_never_runs(tmp_path):
     sp.Checkpointer(tmp_path, format="dist").save(1, make_state())
     evidence = tmp_path / "pwned"
     (tmp_path / "iter_0000001" / ".metadata").write_bytes(pickle.dumps(Exploit(str(evidence))))
+    rewrite_checksums(tmp_path / "iter_0000001")
+    # the chunk index records the .metadata written with it: the load is refused before anything is unpickled
+    with pytest.raises(sp.CorruptCheckpointError, match=r"\.chunk_index"):
+        sp.Checkpointer(tmp_path).load(make_state())
+    assert not evidence.exists()
+    # without the index (removed too), .metadata goes through the restricted unpickler, which refuses it
+    (tmp_path / "iter_0000001" / ".chunk_index").unlink()
     rewrite_checksums(tmp_path / "iter_0000001")
     with pytest.raises(sp.UnsafeCheckpointError, match=r"\.metadata asks to load posix.system"):
         sp.Checkpointer(tmp_path).load(make_state())
