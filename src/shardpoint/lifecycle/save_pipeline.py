@@ -251,7 +251,7 @@ class SavePipeline:
         )
         if self._stored is not None:
             self._stored.begin(name)
-        return self._write_files(pending)
+        return _write_files(self.format, self.storage, pending)
 
     def _start_full(self, pending: _PendingSave, name: str, group: Any) -> str:
         """Gather every rank's boxes to find and hash the replicas, then rank 0 creates the directory."""
@@ -388,23 +388,6 @@ class SavePipeline:
             self.mirror.prepare(name)  # what the upload may replace: the remote checkpoint as this save begins
         return commit.begin(self.storage, self.root, name)
 
-    def _write_files(self, pending: _PendingSave) -> dict[str, Any]:
-        """This rank's files and their records (runs on the background thread for async saves)."""
-        rank = comm.rank()
-        ctx = pending.context()
-        try:
-            faults.hit("before-data", rank)
-            records = self.format.save(ctx, pending.flat)
-            _write_attachments(self.storage, ctx.directory, pending.attachments, records, self.format.name)
-            faults.hit("mid-data", rank)
-            faults.hit("after-data", rank)
-        except (OSError, RuntimeError) as exc:
-            storage_error = as_storage_error(exc, ctx.directory, pending.needed)
-            if storage_error is None:
-                raise
-            raise storage_error from exc
-        return records
-
     def _commit(self, tmp: str, final: str, meta: CheckpointMetadata, update_tracker: bool) -> None:
         """Rank 0: marker, rename, tracker; a deletion still running from the last save is waited for first."""
         self._retention.wait()
@@ -413,6 +396,24 @@ class SavePipeline:
         faults.hit("before-tracker", 0)
         if update_tracker:
             commit.write_tracker(self.storage, self.root, self.layout, None if meta.release else meta.iteration)
+
+
+def _write_files(fmt: CheckpointFormat, storage: Storage, pending: _PendingSave) -> dict[str, Any]:
+    """This rank's files and their records (runs on the background thread for async saves)."""
+    rank = comm.rank()
+    ctx = pending.context()
+    try:
+        faults.hit("before-data", rank)
+        records = fmt.save(ctx, pending.flat)
+        _write_attachments(storage, ctx.directory, pending.attachments, records, fmt.name)
+        faults.hit("mid-data", rank)
+        faults.hit("after-data", rank)
+    except (OSError, RuntimeError) as exc:
+        storage_error = as_storage_error(exc, ctx.directory, pending.needed)
+        if storage_error is None:
+            raise
+        raise storage_error from exc
+    return records
 
 
 def _clean_leftovers_if_unlocked(lock: DirectoryLock, storage: Storage, root: str) -> None:
