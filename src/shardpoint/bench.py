@@ -39,7 +39,7 @@ from shardpoint.commands.bench_states import (
     synthetic_state,
 )
 from shardpoint.commands.bench_tier import tier_rounds
-from shardpoint.commands.bench_timing import slowest, timed
+from shardpoint.commands.bench_timing import peak_memory, slowest, timed
 from shardpoint.formats.tensor_archive import storage_bytes
 from shardpoint.storage.base import open_storage
 
@@ -189,23 +189,10 @@ class Methods:
 
 
 def _peak_rss_during(fn: Callable[[], Any]) -> int:
-    """Extra peak resident memory of this process while ``fn`` runs (Linux)."""
-
-    def rss(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return -1
-    before = rss("VmRSS:")
-    fn()
-    return rss("VmHWM:") - before
+    """Extra peak resident memory of this process while ``fn`` runs (Linux; 0 elsewhere)."""
+    with peak_memory() as found:
+        fn()
+    return found.extra
 
 
 # ------------------------------------------------------------------- rounds
