@@ -24,7 +24,14 @@ from shardpoint.errors import CheckpointError
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import find_param, param_shard_index
 
-__all__ = ["PlainOptimizerState", "UnsupportedOptimizerError", "inner_optimizers", "is_distributed", "is_plain"]
+__all__ = [
+    "OptimizerAdapter",
+    "PlainOptimizerState",
+    "UnsupportedOptimizerError",
+    "inner_optimizers",
+    "is_distributed",
+    "is_plain",
+]
 
 
 class UnsupportedOptimizerError(CheckpointError):
@@ -59,7 +66,21 @@ def refuse(optimizer: Any) -> UnsupportedOptimizerError:
     )
 
 
-class PlainOptimizerState:
+class OptimizerAdapter:
+    """What both Megatron optimizer adapters show the load pipeline: the wrapped optimizer's groups,
+    and no plain ``state_dict`` (their state goes through ``sharded_state_dict``)."""
+
+    optimizer: Any
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+class PlainOptimizerState(OptimizerAdapter):
     """megatron-core's (chained) non-distributed optimizer as a shardpoint distributed optimizer.
 
     ``sharded_state_dict(model_shards)`` and ``load_sharded_state_dict(loaded)`` are the
@@ -69,13 +90,6 @@ class PlainOptimizerState:
     def __init__(self, optimizer: Any):
         self.optimizer = optimizer
         self.inner = [opt for opt in inner_optimizers(optimizer) if getattr(opt, "optimizer", None) is not None]
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
     def sharded_state_dict(self, model_shards: dict[str, Shard]) -> dict[str, Shard]:
         index = param_shard_index(model_shards)

@@ -32,7 +32,7 @@ import torch
 from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import find_param, param_shard_index
 
-from .plain_optimizer import PlainOptimizerState, inner_optimizers, is_distributed, is_plain, refuse
+from .plain_optimizer import OptimizerAdapter, PlainOptimizerState, inner_optimizers, is_distributed, is_plain, refuse
 
 __all__ = ["DistributedOptimizerState", "MegatronModel", "MegatronRng", "optimizer_state", "unwrap"]
 
@@ -139,7 +139,7 @@ def optimizer_state(optimizer: Any) -> DistributedOptimizerState | PlainOptimize
     raise refuse(optimizer)
 
 
-class DistributedOptimizerState:
+class DistributedOptimizerState(OptimizerAdapter):
     """megatron-core's (chained) ``DistributedOptimizer`` as a shardpoint distributed optimizer.
 
     ``sharded_state_dict(model_shards)`` and ``load_sharded_state_dict(loaded)`` are the
@@ -153,13 +153,6 @@ class DistributedOptimizerState:
             raise refuse(optimizer)
         self._targets: list[tuple[Any, torch.nn.Parameter, dict[str, torch.Tensor], Any]] = []
         self._steps_loaded: dict[str, Shard] = {}
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
     def sharded_state_dict(self, model_shards: dict[str, Shard]) -> dict[str, Shard]:
         index = param_shard_index(model_shards)
