@@ -128,6 +128,14 @@ def _cuda_rng() -> None:
     mrandom._set_cuda_rng_state = lambda s, *a, **k: fake.set_state(s)
 
 
+def _moe_without_te() -> None:
+    """megatron-core 0.16.1's MoE router names ``te_general_gemm`` that only a Transformer Engine import defines."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # its own fallback: torch.mm
+
+
 def _training_tree() -> None:
     """Megatron-LM's training code, when it is importable (``MLM_SRC`` on the path)."""
     try:
@@ -161,6 +169,7 @@ def install() -> list[str]:
     torch.nn.Module.cuda = lambda self, *a, **k: self
     _cuda_queries()
     _cuda_rng()
+    _moe_without_te()
     _training_tree()
     _INSTALLED.extend(
         [
@@ -168,6 +177,7 @@ def install() -> list[str]:
             "torch.cuda sync/empty_cache/set_device no-ops, current_device 'cpu', device_count 1, memory stats 0",
             "torch.cuda Stream/Event/nvtx inert",
             "CUDA RNG (torch and Megatron's tracker) -> a CPU torch.Generator of its own",
+            "MoE router without Transformer Engine: te_general_gemm = None (megatron-core's torch.mm fallback)",
             "initialize_megatron(allow_no_cuda=True), get_device_arch_version 9, no helper/kernel compiles",
         ]
     )

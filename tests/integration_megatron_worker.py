@@ -28,13 +28,25 @@ class Job:
 
 
 def build(
-    tp: int, pp: int = 1, *, seed: int = 1234, distributed: bool = True, bf16: bool = False, qk_layernorm: bool = False
+    tp: int,
+    pp: int = 1,
+    *,
+    seed: int = 1234,
+    distributed: bool = True,
+    bf16: bool = False,
+    qk_layernorm: bool = False,
+    experts: int = 0,
+    ep: int = 1,
+    vocab: int = VOCAB,
 ) -> Job:
-    """parallel_state at (tp, pp, dp = world / tp / pp), a GPTModel, DDP and the optimizer.
+    """parallel_state at (tp, pp, ep, dp = world / tp / pp), a GPTModel, DDP and the optimizer.
 
     ``distributed``: megatron-core's DistributedOptimizer, else its FP32Optimizer (or with
     ``bf16`` its Float16OptimizerWithFloat16Params over fp32 master copies).
     ``qk_layernorm``: layer norms on queries and keys, i.e. 2 more parameters per layer.
+    ``experts``: a mixture-of-experts MLP with that many experts, ``ep`` of them groups
+    (the local, non-grouped expert MLP spec: grouped GEMM needs a GPU). ``vocab``: the
+    embedding's rows (Megatron-LM passes its padded vocabulary).
     """
     integration_megatron_cpu.install()
     from megatron.core import parallel_state, tensor_parallel
@@ -47,7 +59,9 @@ def build(
     from megatron.core.transformer.module import Float16Module
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(
@@ -67,11 +81,13 @@ def build(
         apply_rope_fusion=False,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        **_moe(experts, ep),
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qk_layernorm),
-        vocab_size=VOCAB,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts or None, qk_layernorm=qk_layernorm),
+        vocab_size=vocab,
         max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -101,9 +117,19 @@ def build(
     return Job([ddp], optimizer, scheduler, None)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _moe(experts: int, ep: int) -> dict[str, Any]:
+    if not experts:
+        return {}
+    return dict(
+        num_moe_experts=experts, expert_model_parallel_size=ep, moe_router_topk=2,
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,  # megatron-core 0.16.1 adds an expert bias in place into a tp-reduce view
+    )  # fmt: skip
+
+
+def batch(step: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+    tokens = torch.randint(0, vocab, (2, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 

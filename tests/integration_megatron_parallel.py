@@ -1,0 +1,124 @@
+"""Pipeline and expert parallelism through ``shardpoint.integrations.megatron``, in ONE 2-rank job.
+
+Used by ``tests/test_integration_megatron_parallel.py``. Phases (each under its own
+directory of ``root``): a GPTModel at pp=2 (one stage per rank) saved and resumed
+bit-exact, then loaded at pp=1 dp=2; a mixture-of-experts GPTModel (4 experts, ep=2)
+saved and resumed bit-exact, then loaded at ep=1. Each phase returns what the tests
+compare with shardpoint's offline reader.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests import integration_megatron_worker as worker
+from tests.integration_megatron_flags import differ, finish, session
+
+
+def train_step(job: worker.Job, step: int) -> float:
+    """One step through megatron-core's own schedule (1F1B across the stages at pp>1)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp = job.model[0]
+    ddp.zero_grad_buffer()
+    job.optimizer.zero_grad()
+    tokens, labels = worker.batch(step)
+    position_ids = torch.arange(worker.SEQ).unsqueeze(0).expand_as(tokens)
+
+    def forward_step(data_iterator: Any, model: Any) -> Any:
+        output = model(tokens, position_ids, None, labels=labels)
+
+        def loss_func(out: torch.Tensor) -> Any:
+            loss = out.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=None, model=job.model, num_microbatches=1,
+        seq_length=worker.SEQ, micro_batch_size=2, forward_only=False,
+    )  # fmt: skip
+    ddp.finish_grad_sync()
+    job.optimizer.step()
+    job.scheduler.step(increment=1)
+    job.args.consumed_train_samples += 2
+    return float(losses[0]["loss"]) if losses else 0.0
+
+
+def full_state(job: worker.Job) -> dict[str, torch.Tensor]:
+    """Every model tensor and optimizer state at full size, gathered on every rank (stages hold other keys)."""
+    from shardpoint.integrations.megatron.state import MegatronModel, optimizer_state
+
+    model = MegatronModel(job.model).sharded_state_dict()
+    optim = optimizer_state(job.optimizer).sharded_state_dict({"model." + k: v for k, v in model.items()})
+    mine = {p + k: s for p, shards in (("model.", model), ("optimizer.state.", optim)) for k, s in shards.items()}
+    shapes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, {k: (tuple(s.global_shape), s.tensor.dtype) for k, s in mine.items()})
+    everything = {k: v for d in shapes for k, v in d.items()}
+    out = {}
+    for key in sorted(everything):
+        shape, dtype = everything[key]
+        full = torch.zeros(shape, dtype=torch.float64)  # every dtype's values, summed exactly
+        shard = mine.get(key)
+        if shard is not None and shard.replica_id == 0:
+            box = tuple(slice(o, o + n) for o, n in zip(shard.global_offset, shard.tensor.shape))
+            full[box] = shard.tensor.to(torch.float64)
+        dist.all_reduce(full)
+        out[key] = full.to(dtype)
+    return out
+
+
+def resume(root: str, **shape: Any) -> dict[str, Any]:
+    """Train 2 steps, save, train 1; a fresh job (other seed) loads and redoes it: all bit-equal?"""
+    job = worker.build(**shape)
+    job.args = worker.args(root)
+    s = session(job)
+    for step in (1, 2):
+        train_step(job, step)
+    saved = full_state(job)
+    s.save_checkpoint(2, job.model, job.optimizer, job.scheduler, 9.0)
+    first = train_step(job, 3)
+    end = full_state(job)
+    finish(s)
+    again = worker.build(seed=99, **shape)
+    again.args = worker.args(root)
+    s = session(again)
+    returned = s.load_checkpoint(again.model, again.optimizer, again.scheduler)
+    loaded = full_state(again)
+    second = train_step(again, 3)
+    finish(s)
+    return {
+        "returned": returned, "keys": sorted(saved), "loaded_differs": differ(saved, loaded),
+        "losses": (first, second), "end_differs": differ(end, full_state(again)), "saved": saved,
+    }  # fmt: skip
+
+
+def reshard(root: str, **shape: Any) -> dict[str, Any]:
+    """Load what another layout saved; every tensor at full size, and a step trained on."""
+    job = worker.build(**shape)
+    job.args = worker.args(root)
+    s = session(job)
+    returned = s.load_checkpoint(job.model, job.optimizer, job.scheduler)
+    state = full_state(job)
+    train_step(job, 3)
+    finish(s)
+    return {"returned": returned, "state": state}
+
+
+def run(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"seconds": {}}
+    phases = {
+        "pp2": lambda: resume(f"{root}/pp", tp=1, pp=2),
+        "pp1_dp2": lambda: reshard(f"{root}/pp", tp=1, pp=1),
+        "ep2": lambda: resume(f"{root}/moe", tp=1, experts=4, ep=2),
+        "ep1": lambda: reshard(f"{root}/moe", tp=1, experts=4, ep=1),
+    }
+    for name, phase in phases.items():
+        start = time.perf_counter()
+        out[name] = phase()
+        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    return out
