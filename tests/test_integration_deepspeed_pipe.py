@@ -3,8 +3,10 @@
 Engine mode: the tag's files (each stage's ``layer_<nn>-model_states.pt``, the model and
 ZeRO-1 optimizer files) are byte-identical to DeepSpeed's own engine's, and a resume
 from them continues exactly as the uninterrupted run (same weights, same losses).
-Reshardable mode: a pipeline's layer files are named per stage, not globally, so the
-mode refuses a ``PipelineEngine`` on save and on load, naming engine mode instead.
+Reshardable mode: a ``PipelineModule`` names each layer by its global index, so a
+checkpoint saved at pp=2 dp=1 (a tied layer on both stages) loads at pp=1 dp=2, trains on,
+and loads back at pp=2 dp=1, with weights, fp32 masters, Adam moments and step counts equal
+to what was saved, read with DeepSpeed's own getters.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipe")
-    dirs = [str(root / name) for name in ("stock", "ours", "refused")]
+    dirs = [str(root / name) for name in ("stock", "ours", "reshard")]
     return root, launch(pipeline_both_modes, 2, *dirs, env=ENV, backend="gloo", timeout=150)
 
 
@@ -51,10 +53,59 @@ def test_pipeline_engine_mode_resumes_exactly(pipeline):
         assert result["client"]["iteration"] == 2
 
 
-def test_pipeline_reshardable_mode_refuses_naming_engine_mode(pipeline):
+def _whole(snapshots: list[dict]) -> dict[str, torch.Tensor]:
+    """Every key of the ranks' snapshots, each rank's copy of a replica (a tied layer) checked equal."""
+    whole: dict[str, torch.Tensor] = {}
+    for snap in snapshots:
+        for key, value in {**snap["weights"], **snap["state"]}.items():
+            if key in whole:
+                assert torch.equal(whole[key], value), f"{key}: the stages' replicas differ"
+            whole[key] = value
+    return whole
+
+
+def _assert_holds(snapshot: dict, whole: dict[str, torch.Tensor], what: str) -> None:
+    mine = {**snapshot["weights"], **snapshot["state"]}
+    assert mine, what
+    for key, value in mine.items():
+        assert torch.equal(value, whole[key]), f"{what}: {key} differs"
+
+
+def test_pipeline_reshardable_mode_moves_between_pp2_dp1_and_pp1_dp2_exactly(pipeline):
     _, results = pipeline
+    runs = [result["reshard"] for result in results]
+    pp2 = _whole([run["pp2_saved"] for run in runs])
+    assert any(key.startswith("tied_modules.io.") for key in pp2), sorted(pp2)
+    assert {k.split(".")[0] for k in runs[0]["pp2_saved"]["weights"]} != {
+        k.split(".")[0] for k in runs[1]["pp2_saved"]["weights"]
+    }
+    for rank, run in enumerate(runs):  # pp=1 dp=2: every rank holds every layer, whole
+        assert set(run["pp1_loaded"]["weights"]) | set(run["pp1_loaded"]["state"]) == set(pp2)
+        _assert_holds(run["pp1_loaded"], pp2, f"pp=2 -> pp=1, rank {rank}")
+        assert (run["pp1_loaded"]["step"], run["pp1_loaded"]["global"]) == (2, 2)
+        assert run["pp1_client"] == {"iteration": 2, "rank": 0}  # another layout: rank 0's, as DeepSpeed's file
+    pp1 = _whole([run["pp1_saved"] for run in runs])
+    for rank, run in enumerate(runs):  # and back: each stage its own layers
+        _assert_holds(run["back_loaded"], pp1, f"pp=1 -> pp=2, rank {rank}")
+        assert (run["back_loaded"]["step"], run["back_loaded"]["global"]) == (3, 3)
+        assert set(run["back_loaded"]["weights"]) == set(run["pp2_saved"]["weights"])
+    assert runs[1]["back_losses"] and all(loss == loss for loss in runs[1]["back_losses"])
+
+
+def test_pipeline_tied_layer_bias_that_deepspeed_does_not_tie_is_refused_not_merged(pipeline):
+    root, results = pipeline
     for result in results:
-        assert len(result["refusals"]) == 2, result["refusals"]  # save and load, every rank
-        for message in result["refusals"]:
-            assert "pipeline stages" in message and "use(engine)" in message, message
-    assert not (pipeline[0] / "refused").exists() or not any((pipeline[0] / "refused").iterdir())
+        message = result["reshard"]["untied_refusal"]
+        assert message.startswith("ReplicaMismatchError") and "'model.tied_modules.io.bias'" in message, message
+    assert not (root / "reshard" / "untied" / "latest").exists()
+
+
+def test_pipeline_reshardable_checkpoint_is_refused_by_convert_to_deepspeed(pipeline, tmp_path):
+    from shardpoint.errors import CheckpointError
+    from shardpoint.foreign.deepspeed_export import export_deepspeed, from_reshardable
+
+    root, _ = pipeline
+    for saved, stages in (("pp2", 2), ("pp1", 1)):
+        with pytest.raises(CheckpointError, match=rf"pipeline engine \({stages} stage.*per-layer"):
+            export_deepspeed(from_reshardable(str(root / "reshard" / saved)), tmp_path / saved, dp=1)
+        assert not (tmp_path / saved).exists()

@@ -94,7 +94,8 @@ def from_reshardable(path: str, iteration: int | None = None) -> ForeignCheckpoi
         scheduler=dict(full.common.get("scheduler") or {}),
         consumed_samples=extra.get("global_samples"),
         param_groups=[dict(group) for group in extra.get("param_groups") or []],
-        extra={k: extra.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "client_state")},
+        extra={k: extra.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "client_state")}
+        | {"pipeline_stages": extra.get("pipeline_stages")},
     )
     for name, state in states.items():
         shape = params[name].shape
@@ -122,6 +123,7 @@ def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp
         raise ValueError(f"--stage must be 1 or 2 (ZeRO-3 files are not written), got {stage}")
     if dp < 1:
         raise ValueError(f"--dp must be at least 1, got {dp}")
+    _refuse_pipeline(ckpt)
     root = os.path.abspath(os.fspath(dst))
     tag = f"global_step{ckpt.iteration}"
     final = os.path.join(root, tag)
@@ -135,6 +137,17 @@ def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp
     _commit(root, tag, files, ckpt, dp, stage)
     log.info("wrote DeepSpeed checkpoint %s (ZeRO-%d, dp=%d, %d groups)", final, stage, dp, len(groups))
     return final
+
+
+def _refuse_pipeline(ckpt: ForeignCheckpoint) -> None:
+    """A pipeline engine loads its weights from per-layer files (``layer_<ii>-model_states.pt``), not written here."""
+    stages = ckpt.extra.get("pipeline_stages")
+    if stages:
+        raise CheckpointError(
+            f"{ckpt.path} was saved from a DeepSpeed pipeline engine ({stages} stage(s)): convert --to deepspeed "
+            "does not write DeepSpeed's per-layer pipeline files yet; load it at any pp and dp with "
+            "shardpoint.integrations.deepspeed.load_checkpoint, or save it with engine mode (use(engine))"
+        )
 
 
 def _groups(ckpt: ForeignCheckpoint) -> list[dict[str, Any]]:

@@ -28,9 +28,15 @@ Under ZeRO-3 the weights are gathered whole for the save and the load (DeepSpeed
 ``GatheredParameters``: the model's size in memory on every rank for that moment), so
 ``model.<name>`` holds the same whole tensors at every stage.
 
-Limits (each raises): tensor or pipeline parallelism and MoE layers (their names are
-not global yet: use engine mode), offloaded optimizer states, ``custom_load_fn``, tags
-that are not ``global_step<N>``.
+A pipeline engine (``PipelineModule``) stores each stage's layers under the module's own
+names, which are global: layer ``i`` is ``<i>.<param>`` on whichever stage holds it (the
+``layer_<ii>`` of DeepSpeed's files), and tied layers are replicas on the stages that share
+them. So a load at another pipeline size (pp=2 dp=1 to pp=1 dp=2, and back) reads each
+stage's layers and each ZeRO rank's fragments from the same keys.
+
+Limits (each raises): tensor parallelism and MoE layers (their names are not global yet:
+use engine mode), offloaded optimizer states, ``custom_load_fn``, tags that are not
+``global_step<N>``.
 """
 
 from __future__ import annotations
@@ -293,10 +299,10 @@ def _check_supported(engine: Any) -> None:
         )
     if engine.zero_cpu_offload():
         raise CheckpointError("the reshardable DeepSpeed mode does not support offloaded optimizer states yet")
-    # tensor-parallel pieces and pipeline stages have names of their own that are not global yet:
-    # stored under one key they would be taken for replicas (DESIGN invariant 8)
-    parallel = {"tensor-parallel size": int(getattr(engine, "mp_world_size", 1))}
-    parallel["pipeline stages"] = 2 if getattr(engine, "pipeline_parallelism", False) else 1
+    # tensor-parallel pieces have names of their own that are not global yet: stored under one
+    # key they would be taken for replicas (DESIGN invariant 8). Pipeline stages are fine: a
+    # PipelineModule names each layer by its global index ("4.weight" is DeepSpeed's layer_04).
+    parallel = {"tensor-parallel size": _tensor_parallel(engine)}
     parallel["MoE layers"] = 2 if getattr(engine, "has_moe_layers", False) else 1
     beyond = [name for name, size in parallel.items() if size > 1]
     if beyond:
@@ -304,6 +310,13 @@ def _check_supported(engine: Any) -> None:
             f"the reshardable DeepSpeed mode handles data parallelism only; this engine has {', '.join(beyond)}: "
             "use engine mode (shardpoint.integrations.deepspeed.use(engine)) for this run"
         )
+
+
+def _tensor_parallel(engine: Any) -> int:
+    """The tensor-parallel size: a pipeline engine's ``mp_world_size`` counts its stages too (pp × tp)."""
+    if getattr(engine, "pipeline_parallelism", False):
+        return int(engine.grid.get_slice_parallel_world_size())
+    return int(getattr(engine, "mp_world_size", 1))
 
 
 def _iteration(engine: Any, tag: Any) -> int:
@@ -325,9 +338,24 @@ def _whole_parameters(engine: Any, loading: bool) -> Any:
     return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0 if loading else None)
 
 
-def _checkpointer(engine: Any, directory: str, options: Mapping[str, Any]) -> Checkpointer:
+def _stages(engine: Any) -> int:
+    """The engine's pipeline stages (1 without a pipeline)."""
+    return int(getattr(engine, "num_stages", 1)) if getattr(engine, "pipeline_parallelism", False) else 1
+
+
+def _topology(engine: Any) -> Topology:
+    """pp × dp as DeepSpeed's ``PipeDataParallelTopology`` orders them (data fastest), which is ``Topology``'s order.
+
+    The layout decides whether per-rank state (client_state, RNG) is restored: only at the
+    pp and dp it was saved at.
+    """
     world = comm.world_size() if comm.initialized() else 1
-    return Checkpointer(str(directory), topology=Topology(dp_size=world), layout="neox", format="dist", **options)
+    stages = _stages(engine)
+    return Topology(pp_size=stages, dp_size=world // stages)
+
+
+def _checkpointer(engine: Any, directory: str, options: Mapping[str, Any]) -> Checkpointer:
+    return Checkpointer(str(directory), topology=_topology(engine), layout="neox", format="dist", **options)
 
 
 def _train_state(engine: Any, client: _ClientState, optimizer: bool, scheduler: bool) -> TrainState:
@@ -376,6 +404,8 @@ def save_checkpoint(
         # what of client_state is plain data, for a load at another layout (where per-rank state is not restored)
         client_state=_plain_json(client_state or {}),
         param_groups=_param_groups(engine),
+        # a pipeline engine's (1 at pp=1): convert --to deepspeed writes no per-layer files, so it refuses these
+        pipeline_stages=_stages(engine) if getattr(engine, "pipeline_parallelism", False) else None,
     )
     with _whole_parameters(engine, loading=False), _checkpointer(engine, save_dir, checkpointer_options or {}) as ckpt:
         ckpt.save(iteration, state)
