@@ -121,11 +121,16 @@ def load_stock(rank: int, world: int, directory: str, stage: int) -> dict[str, A
     return {"path": path, "iteration": client["iteration"], "params": params(eng), "losses": train(eng, 2, 3)}
 
 
-def load_stock_and_converted(rank: int, world: int, directory: str, converted: str, stage: int) -> dict[str, Any]:
-    """:func:`load_stock` of ``directory``, then DeepSpeed's own engine loads ``convert --to deepspeed``'s files."""
+def load_stock_and_converted(
+    rank: int, world: int, directory: str, converted: str, stage: int, converted3: str
+) -> dict[str, Any]:
+    """:func:`load_stock` of ``directory``, then DeepSpeed's own engine loads ``convert --to deepspeed``'s files
+    (``converted`` at ``stage``, ``converted3`` at ZeRO-3)."""
     stock = load_stock(rank, world, directory, stage)
     eng = engine(stage, seed=1)
-    return {"stock": stock, "converted": _loaded(eng, *eng.load_checkpoint(converted))}
+    result = {"stock": stock, "converted": _loaded(eng, *eng.load_checkpoint(converted))}
+    eng3 = engine(3, seed=1)
+    return result | {"converted3": _loaded(eng3, *eng3.load_checkpoint(converted3))}
 
 
 def load_ours(rank: int, world: int, directory: str, stage: int, options: dict | None = None) -> dict[str, Any]:

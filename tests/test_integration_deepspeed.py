@@ -91,6 +91,17 @@ def converted(resharded, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def converted3(resharded, tmp_path_factory):
+    """The same reshardable checkpoint (dp=2 ZeRO-2) as DeepSpeed's own ZeRO-3 files for dp=2."""
+    from shardpoint.cli import main
+
+    directory, _ = resharded
+    out = tmp_path_factory.mktemp("converted3") / "ds"
+    assert main(["convert", "--to", "deepspeed", str(directory), str(out), "--dp", "2", "--zero-stage", "3"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
 def redp(both, tmp_path_factory):
     """DeepSpeed's own dp=2 ZeRO-2 files (no shardpoint in them) rewritten for dp=1, which DeepSpeed refuses to load."""
     from shardpoint.cli import main
@@ -105,11 +116,12 @@ def redp(both, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stock_loaded(both, converted):
+def stock_loaded(both, converted, converted3):
     """DeepSpeed's own engine (no shardpoint) loads shardpoint's files and trains two more steps (and, in the
-    same launch, loads what ``convert --to deepspeed`` wrote)."""
+    same launch, loads what ``convert --to deepspeed`` wrote, at ZeRO-2 and at ZeRO-3)."""
     _, ours, *_ = both
-    return launch(load_stock_and_converted, 2, str(ours), str(converted), 2, env=ENV, backend="gloo")
+    args = str(ours), str(converted), 2, str(converted3)
+    return launch(load_stock_and_converted, 2, *args, env=ENV, backend="gloo")
 
 
 def test_engine_mode_read_by_deepspeeds_loader_and_zero_to_fp32(both, stock_loaded):
@@ -331,6 +343,27 @@ def test_convert_to_deepspeed_writes_files_deepspeeds_own_loader_reads_exactly(r
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     merged = get_fp32_state_dict_from_zero_checkpoint(str(converted))  # DeepSpeed's zero_to_fp32 reads them too
+    _same({k: v.float() for k, v in merged.items()}, saved[0]["params"])
+
+
+def test_convert_to_deepspeed_zero3_files_deepspeeds_own_zero3_engine_loads_exactly(
+    resharded, converted3, stock_loaded
+):
+    _, saved = resharded
+    assert (converted3 / "latest").read_text() == "global_step3"
+    names = sorted(p.name for p in (converted3 / "global_step3").iterdir())
+    assert names == [
+        "shardpoint.json",
+        *[f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")],
+    ]
+    for result in (r["converted3"] for r in stock_loaded):  # DeepSpeed's engine at ZeRO-3, no shardpoint, 2 ranks
+        _same(result["state"], saved[0]["state"])  # fp32 masters and both Adam moments, every element
+        _same(result["params"], saved[0]["params"])
+        assert result["step"] == result["global_steps"] == 3
+        assert result["client"]["iteration"] == 3
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    merged = get_fp32_state_dict_from_zero_checkpoint(str(converted3))  # zero_to_fp32's ZeRO-3 path
     _same({k: v.float() for k, v in merged.items()}, saved[0]["params"])
 
 

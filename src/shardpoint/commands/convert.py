@@ -23,7 +23,7 @@ directory, under megatron-core's names, as a release (weights only). ``--to mega
 from such a source or from a shardpoint checkpoint imported from one
 (:mod:`shardpoint.foreign`); a mixture-of-experts model also needs ``--ep E`` (its
 expert-parallel ranks' ``mp_rank_TT[_PPP]_EEE`` folders); a Hugging Face source becomes
-Megatron's release checkpoint. ``--to deepspeed --dp D [--zero-stage 1|2]`` writes DeepSpeed's
+Megatron's release checkpoint. ``--to deepspeed --dp D [--zero-stage 1|2|3]`` writes DeepSpeed's
 own ZeRO files for D ranks, which DeepSpeed's ``load_checkpoint`` reads (from the DeepSpeed
 integration's reshardable mode, or any ``--from`` source; :mod:`shardpoint.foreign.deepspeed_export`).
 Foreign pickles are read through an allow-list; nothing in them runs.
@@ -119,7 +119,7 @@ def add_parser(subparsers: Any) -> None:
         help="data-parallel size recorded in --to megatron args; --to deepspeed: the ranks the files are for",
     )
     parser.add_argument(
-        "--zero-stage", type=int, choices=(1, 2), default=2, help="--to deepspeed: the ZeRO stage (default 2)"
+        "--zero-stage", type=int, choices=(1, 2, 3), default=2, help="--to deepspeed: the ZeRO stage (default 2)"
     )
     parser.add_argument(
         "--ep",

@@ -1,4 +1,4 @@
-"""Write DeepSpeed's own ZeRO-1/2 checkpoint files at a chosen data-parallel size (``convert --to deepspeed``).
+"""Write DeepSpeed's own ZeRO-1/2/3 checkpoint files at a chosen data-parallel size (``convert --to deepspeed``).
 
 DeepSpeed's ``load_checkpoint`` reads a ZeRO checkpoint only at the data-parallel size
 it was saved at. This writes, from global tensors (:class:`ForeignCheckpoint`: a
@@ -20,7 +20,8 @@ master slice without the padding (``single_partition_of_fp32_groups``), the base
 optimizer's state as ``optimizer.state_dict()`` gives it (Adam's moments over the
 padded slice, the step, the group's hyperparameters), the padding on the last rank
 (``group_paddings``) and where each parameter's fragment lies in the slice
-(``param_slice_mappings``, for ``zero_to_fp32`` and ``ds_to_universal``).
+(``param_slice_mappings``, for ``zero_to_fp32`` and ``ds_to_universal``). ZeRO-3 writes
+per-rank model states and partitions each parameter on its own (:func:`zero3_files`).
 
 The target model's optimizer must have the same groups, in the same order: the source's
 groups (recorded by the reshardable mode; a DeepSpeed or Megatron-LM source's own); a
@@ -60,6 +61,10 @@ log = logging.getLogger(__name__)
 ALIGNMENT = 2
 _FRAGMENT = STAND_INS["deepspeed.utils.tensor_fragment.fragment_address"]
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_STAGE_ENUM = STAND_INS["deepspeed.runtime.zero.config.ZeroStageEnum"]
+_SCALER = STAND_INS["deepspeed.runtime.fp16.loss_scaler.LossScaler"]
+#: DeepSpeed's default ``zero_optimization.sub_group_size`` (elements per ZeRO-3 sub-group)
+_SUB_GROUP_SIZE = 1_000_000_000
 
 
 def from_reshardable(path: str, iteration: int | None = None) -> ForeignCheckpoint:
@@ -112,15 +117,15 @@ def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp
     """Write ``ckpt`` into save directory ``dst`` as DeepSpeed's ZeRO-``stage`` files for ``dp`` ranks; return the tag.
 
     Raises:
-        ValueError: ``stage`` is not 1 or 2, or ``dp`` < 1.
+        ValueError: ``stage`` is not 1, 2 or 3, or ``dp`` < 1.
         CheckpointError: the tag exists in ``dst`` already, or the groups do not cover the
             parameters with optimizer state (named).
 
     Example:
         >>> export_deepspeed(from_reshardable("runs/neox"), "/data/neox-dp8", dp=8, stage=1)
     """
-    if stage not in (1, 2):
-        raise ValueError(f"--stage must be 1 or 2 (ZeRO-3 files are not written), got {stage}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"--zero-stage must be 1, 2 or 3, got {stage}")
     if dp < 1:
         raise ValueError(f"--dp must be at least 1, got {dp}")
     _refuse_pipeline(ckpt)
@@ -130,10 +135,13 @@ def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists already; convert into another directory or remove it first")
     groups = _groups(ckpt)
-    files = {"mp_rank_00_model_states.pt": _model_states(ckpt, groups, dp, stage)}
-    for rank in range(dp if groups else 0):
-        zero = {"optimizer_state_dict": _zero_state(ckpt, groups, dp, rank, stage)}
-        files[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = zero | _versions(ckpt, stage)
+    if stage == 3:
+        files = zero3_files(ckpt, groups, dp)
+    else:
+        files = {"mp_rank_00_model_states.pt": _model_states(ckpt, groups, dp, stage)}
+        for rank in range(dp if groups else 0):
+            zero = {"optimizer_state_dict": _zero_state(ckpt, groups, dp, rank, stage)}
+            files[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = zero | _versions(ckpt, stage)
     _commit(root, tag, files, ckpt, dp, stage)
     log.info("wrote DeepSpeed checkpoint %s (ZeRO-%d, dp=%d, %d groups)", final, stage, dp, len(groups))
     return final
@@ -259,6 +267,90 @@ def _model_states(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], dp: int
     }
     client = extra.get("client_state") or {}
     return state | {k: args_from_json(v) for k, v in client.items() if k not in state}
+
+
+def zero3_files(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], dp: int) -> dict[str, Any]:
+    """DeepSpeed's ZeRO-3 files for ``dp`` ranks: per rank, its model states and its optimizer states.
+
+    ZeRO-3 partitions each parameter on its own: rank r holds elements ``[r * n, (r + 1) * n)``
+    of the flattened parameter (``n = ceil(numel / dp)``, the last rank's piece zero-padded),
+    and a sub-group's fp32 partition (``fp32_flat_groups``) is its parameters' pieces one
+    after another, without further padding. A group is cut into sub-groups of at least
+    ``sub_group_size`` partitioned elements (DeepSpeed's ``_create_fp16_sub_groups``); the
+    base optimizer's state is keyed by sub-group, in order. The model states hold the weights
+    as DeepSpeed's partitioned placeholders (empty tensors) and each sub-group's full shapes.
+    """
+    subs = [(g, names) for g, group in enumerate(groups) for names in _sub_groups(ckpt, group, dp)]
+    files: dict[str, Any] = {}
+    for rank in range(dp):
+        model = _model_states(ckpt, groups, dp, 3)
+        module = model["module"].items()  # buffers are not partitioned: whole
+        model["module"] = OrderedDict((n, t if n in ckpt.buffers else t.new_empty(0)) for n, t in module)
+        model["param_shapes"] = [OrderedDict((n, ckpt.params[n].shape) for n in names) for _, names in subs]
+        model["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
+        files[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = model
+        if groups:
+            zero = {"optimizer_state_dict": _zero3_state(ckpt, groups, subs, dp, rank)}
+            files[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = zero | _versions(ckpt, 3)
+    return files
+
+
+def _sub_groups(ckpt: ForeignCheckpoint, group: dict[str, Any], dp: int) -> list[list[str]]:
+    """A group's ZeRO-3 sub-groups, cut as DeepSpeed's ``_create_fp16_sub_groups`` cuts them."""
+    names = list(group["param_names"])
+    config = args_from_json(ckpt.args.get("ds_config")) if ckpt.args.get("ds_config") else {}
+    size = int((config.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP_SIZE))
+    pieces = [math.ceil(ckpt.params[n].numel() / dp) for n in names]
+    if size >= sum(pieces):
+        return [names]
+    subs, current, filled = [], [], 0
+    for name, piece in zip(names, pieces):
+        current.append(name)
+        filled += piece
+        if filled >= size or name == names[-1]:
+            subs.append(current)
+            current, filled = [], 0
+    return subs
+
+
+def _zero3_piece(value: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of one parameter's flattened state, zero-padded to ``ceil(numel / dp)``."""
+    flat = value.detach().reshape(-1).to(torch.float32)
+    size = math.ceil(flat.numel() / dp)
+    piece = flat[rank * size : (rank + 1) * size]
+    return torch.cat([piece, piece.new_zeros(size - piece.numel())])
+
+
+def _zero3_state(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], subs: list, dp: int, rank: int) -> dict:
+    """Rank ``rank``'s ``optimizer_state_dict``, as DeepSpeed's ZeRO-3 ``_rigid_state_dict()`` returns it."""
+    fp32, state = [], {}
+    param_groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items() if k != "param_names"} for g in groups]
+    for hyper in param_groups:
+        hyper["params"] = []
+    for index, (g, names) in enumerate(subs):
+        masters = [ckpt.optimizer[n].get("master_param", ckpt.params[n]) for n in names]
+        fp32.append(torch.cat([_zero3_piece(v, dp, rank) for v in masters]))
+        state[index] = {k: torch.cat([_zero3_piece(ckpt.optimizer[n][k], dp, rank) for n in names]) for k in _MOMENTS}
+        step = ckpt.optimizer[names[0]].get("step")
+        if step is not None:
+            state[index] = {"step": torch.as_tensor(step, dtype=torch.float32).clone()} | state[index]
+        param_groups[g]["params"].append(index)
+    return {
+        "zero_stage": _STAGE_ENUM(3),
+        "loss_scaler": _static_scaler(),
+        "dynamic_loss_scale": False,
+        "overflow": False,
+        "partition_count": dp,
+        "optimizer_state_dict": {"state": state, "param_groups": param_groups},
+        "fp32_flat_groups": fp32,
+    }
+
+
+def _static_scaler() -> Any:
+    """DeepSpeed's static ``LossScaler`` at scale 1 (what an fp32 or bf16 run keeps)."""
+    scaler = _SCALER()
+    scaler.__dict__.update(cur_scale=1.0, dynamic=False)
+    return scaler
 
 
 def _versions(ckpt: ForeignCheckpoint, stage: int) -> dict[str, Any]:
