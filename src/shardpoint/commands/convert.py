@@ -21,7 +21,8 @@ anything is written (:mod:`shardpoint.lifecycle.tracker_owner`).
 directory, under megatron-core's names, as a release (weights only). ``--to megatron
 --tp N --pp M [--dp D --distributed-optimizer]`` writes Megatron-LM's legacy format
 from such a source or from a shardpoint checkpoint imported from one
-(:mod:`shardpoint.foreign`); a mixture-of-experts model also needs ``--ep E`` (its
+(:mod:`shardpoint.foreign`), or with ``--ckpt-format torch_dist`` megatron-core's
+``torch_dist`` format (dense models); a mixture-of-experts model also needs ``--ep E`` (its
 expert-parallel ranks' ``mp_rank_TT[_PPP]_EEE`` folders); a Hugging Face source becomes
 Megatron's release checkpoint. ``--to deepspeed --dp D [--zero-stage 1|2|3]`` writes DeepSpeed's
 own ZeRO files for D ranks, which DeepSpeed's ``load_checkpoint`` reads (from the DeepSpeed
@@ -54,6 +55,7 @@ EXAMPLES = """examples:
   shardpoint convert --from deepspeed /data/neox/run runs/imported          # DeepSpeed / GPT-NeoX -> dist
   shardpoint convert --to megatron runs/imported /data/run-tp1 --tp 1 --pp 1
   shardpoint convert --from megatron --to megatron /data/run-tp2 /data/run-tp1-dp4 --tp 1 --dp 4 --distributed-optimizer
+  shardpoint convert --from megatron --to megatron /data/run-tp2 /data/tp1-dist --tp 1 --pp 1 --ckpt-format torch_dist
   shardpoint convert --to megatron runs/moe-imported /data/moe-ep4 --tp 1 --pp 1 --dp 4 --ep 4
   shardpoint convert --to deepspeed runs/neox /data/neox-dp8 --dp 8 --zero-stage 1   # reshardable mode -> DeepSpeed
 """
@@ -130,7 +132,13 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--distributed-optimizer",
         action="store_true",
-        help="--to megatron: write distrib_optim.pt (Megatron's --use-distributed-optimizer)",
+        help="--to megatron: write the distributed optimizer's state (Megatron's --use-distributed-optimizer)",
+    )
+    parser.add_argument(
+        "--ckpt-format",
+        choices=("torch", "torch_dist"),
+        help="--to megatron: the format Megatron-LM loads with the same --ckpt-format: torch (legacy "
+        "mp_rank_* files, the default) or torch_dist (megatron-core's dist checkpointing)",
     )
     add_output_flags(parser)
     parser.set_defaults(func=run)
@@ -161,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
         targets.refuse_inside_checkpoint(args.dst, args.dst)
     if args.from_tool or args.to_tool:
         return _foreign(out, args)
-    if args.dp is not None or args.ep is not None or args.distributed_optimizer:
-        raise ValueError("--dp, --ep and --distributed-optimizer apply to --to megatron only")
+    if args.dp is not None or args.ep is not None or args.distributed_optimizer or args.ckpt_format:
+        raise ValueError("--dp, --ep, --distributed-optimizer and --ckpt-format apply to --to megatron only")
     if args.no_optimizer:
         raise ValueError("--no-optimizer applies to --from megatron|deepspeed|auto only")
     with out.progress() as progress:
@@ -208,6 +216,8 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
         if getattr(args, name):
             raise ValueError(f"--{name.replace('_', '-')} does not apply to --from/--to")
     source = None if args.from_tool in (None, "auto") else args.from_tool
+    if args.ckpt_format and args.to_tool != "megatron":
+        raise ValueError("--ckpt-format applies to --to megatron only")
     if args.to_tool == "deepspeed":
         return _export_deepspeed(out, args, source)
     if source == "hf" and (args.iteration is not None or args.no_optimizer):
@@ -247,6 +257,8 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
         ckpt = from_shardpoint(args.src, args.iteration)
     offline.refuse_writing_into_source(ckpt.path, args.dst)
     dp = args.dp or 1
+    if args.ckpt_format == "torch_dist":
+        return _export_torch_dist(out, args, ckpt, dp)
     path = export_megatron(
         ckpt, args.dst, tp=args.tp, pp=args.pp, dp=dp, distributed_optimizer=args.distributed_optimizer, ep=args.ep
     )
@@ -271,6 +283,40 @@ def _foreign(out: Output, args: argparse.Namespace) -> int:
         + f", {len(files)} rank folders"
         + (", distributed optimizer" if args.distributed_optimizer else "")
         + (", release (weights only: Megatron-LM starts at iteration 0)" if ckpt.extra.get("release") else "")
+    )
+    return EXIT_OK
+
+
+def _export_torch_dist(out: Output, args: argparse.Namespace, ckpt: Any, dp: int) -> int:
+    """``--to megatron --ckpt-format torch_dist`` (see :mod:`.foreign.megatron_torch_dist_export`)."""
+    from shardpoint.foreign.megatron_torch_dist_export import export_megatron_torch_dist
+
+    if args.ep:
+        raise ValueError("--ep: mixture-of-experts models are written in the legacy format only (--ckpt-format torch)")
+    if args.no_optimizer:
+        ckpt.optimizer.clear()
+    path = export_megatron_torch_dist(
+        ckpt, args.dst, tp=args.tp, pp=args.pp, dp=dp, distributed_optimizer=args.distributed_optimizer
+    )
+    optimizer = any(ckpt.optimizer.values())
+    out.emit_json(
+        {
+            "source": ckpt.path,
+            "destination": path,
+            "ckpt_format": "torch_dist",
+            "tp": args.tp,
+            "pp": args.pp,
+            "dp": dp,
+            "distributed_optimizer": args.distributed_optimizer,
+            "optimizer": optimizer,
+            "iteration": ckpt.iteration,
+            "release": bool(ckpt.extra.get("release")),
+        }
+    )
+    out.print(
+        f"wrote Megatron-LM torch_dist checkpoint {path}: tp={args.tp} pp={args.pp} dp={dp}"
+        + (", distributed optimizer (fully_reshardable)" if args.distributed_optimizer and optimizer else "")
+        + ("" if optimizer else ", weights only: start Megatron-LM with --no-load-optim (or --finetune)")
     )
     return EXIT_OK
 

@@ -81,7 +81,15 @@ from shardpoint.foreign.structure import (
 )
 from shardpoint.state.train_state import MODEL_PREFIX, OPTIM_PREFIX
 
-__all__ = ["export_megatron", "from_shardpoint", "holds_megatron_model"]
+__all__ = [
+    "export_megatron",
+    "from_shardpoint",
+    "holds_megatron_model",
+    "megatron_args",
+    "refuse_moving_a_live_tracker",
+    "rng_for",
+    "write_tracker",
+]
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +190,7 @@ def export_megatron(
     if ckpt.tool != "megatron" or not ckpt.args:
         raise CheckpointError(f"{ckpt.path}: export to Megatron-LM needs a Megatron-LM source (its args)")
     ep = _check_ep(ckpt, dp, ep)
-    args = _new_args(ckpt, tp, pp, dp, distributed_optimizer)
+    args = megatron_args(ckpt, tp, pp, dp, distributed_optimizer)
     args.expert_model_parallel_size = ep if num_experts(args) else getattr(args, "expert_model_parallel_size", 1)
     if ep > 1 or num_experts(args):
         ckpt = copy.copy(ckpt)
@@ -193,7 +201,7 @@ def export_megatron(
     final = os.path.join(root, name)
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists already; export into another directory or remove it first")
-    _refuse_moving_a_live_tracker(root, ckpt.iteration)
+    refuse_moving_a_live_tracker(root, ckpt.iteration)
     stages = _stage_plan(ckpt, pp, args)
     pieces = _tp_pieces(ckpt, tp, args)
     os.makedirs(root, exist_ok=True)
@@ -212,12 +220,17 @@ def export_megatron(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
-    with open(tracker + ".tmp", "w") as f:
-        f.write("release" if release else str(ckpt.iteration))
-    os.replace(tracker + ".tmp", tracker)
+    write_tracker(root, "release" if release else str(ckpt.iteration))
     log.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d dp=%d ep=%d)", final, tp, pp, dp, ep)
     return final
+
+
+def write_tracker(root: str, iteration: str) -> None:
+    """``latest_checkpointed_iteration.txt``, replaced atomically: written last, after the iteration is in place."""
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    with open(tracker + ".tmp", "w") as f:
+        f.write(iteration)
+    os.replace(tracker + ".tmp", tracker)
 
 
 def _check_ep(ckpt: ForeignCheckpoint, dp: int, ep: int | None) -> int:
@@ -261,7 +274,7 @@ def _held_by_ep_rank(names: list[str], experts: int, ep: int, e: int) -> list[st
     return [n for n in names if not is_expert(n) or expert_id(n) // per_rank == e]
 
 
-def _refuse_moving_a_live_tracker(root: str, iteration: int) -> None:
+def refuse_moving_a_live_tracker(root: str, iteration: int) -> None:
     """Never rewind another run: a tracker naming a newer iteration belongs to a run that is still going."""
     tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
     if not os.path.exists(tracker):
@@ -275,7 +288,8 @@ def _refuse_moving_a_live_tracker(root: str, iteration: int) -> None:
         )
 
 
-def _new_args(ckpt: ForeignCheckpoint, tp: int, pp: int, dp: int, distopt: bool) -> Any:
+def megatron_args(ckpt: ForeignCheckpoint, tp: int, pp: int, dp: int, distopt: bool, ckpt_format: str = "torch") -> Any:
+    """The source's args for the written layout: parallel sizes, world size, padded vocabulary, format."""
     args = namespace_from_json(ckpt.args)
     old_tp = getattr(args, "tensor_model_parallel_size", 1)
     old_world = getattr(args, "world_size", None)
@@ -295,9 +309,9 @@ def _new_args(ckpt: ForeignCheckpoint, tp: int, pp: int, dp: int, distopt: bool)
         )
         args.moe_grouped_gemm = False
     if hasattr(args, "ckpt_format"):
-        args.ckpt_format = "torch"  # what is written here, whatever the source was (torch_dist)
+        args.ckpt_format = ckpt_format  # what is written, whatever the source was
     if hasattr(args, "use_dist_ckpt"):
-        args.use_dist_ckpt = False
+        args.use_dist_ckpt = ckpt_format != "torch"
     if getattr(args, "vocab_size", None) and getattr(args, "make_vocab_size_divisible_by", None):
         args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
@@ -401,7 +415,7 @@ def _write_rank(
         optimizers = [_optimizer(part, pieces, t, distopt) for part in (parts if chained else [groups])]
         state["optimizer"] = optimizers if chained else optimizers[0]
         state["opt_param_scheduler"] = ckpt.scheduler
-    rng = _rng_for(ckpt, t, p)
+    rng = rng_for(ckpt, t, p)
     if rng is not None:
         state["rng_state"] = rng
     state["num_floating_point_operations_so_far"] = ckpt.extra.get("num_floating_point_operations_so_far", 0)
@@ -470,7 +484,7 @@ def _distrib_optim(names: list[str], pieces: dict, t: int, where: str) -> dict[A
     return {"buckets_coalesced": True, 0: {(dtype, torch.float32): {**buffers, "numel_unpadded": length}}}
 
 
-def _rng_for(ckpt: ForeignCheckpoint, t: int, p: int) -> Any:
+def rng_for(ckpt: ForeignCheckpoint, t: int, p: int) -> Any:
     states = ckpt.extra.get("rng_state") or {}
     found = states.get(f"{t}_{p}")
     if found is None and states:

@@ -69,14 +69,14 @@ from shardpoint.foreign.structure import split_dim
 from shardpoint.formats.dcp_metadata import check_stored_items
 from shardpoint.offline import single_process
 
-__all__ = ["is_torch_dist_dir", "model_order", "read_torch_dist"]
+__all__ = ["LOCAL_SPEC_NAMES", "is_torch_dist_dir", "model_order", "read_torch_dist"]
 
 log = logging.getLogger(__name__)
 
 V = TypeVar("V")
 
 _OPT = MODEL_SPACE  # optimizer.state.<exp_avg|exp_avg_sq|param>.<model key>
-_LOCAL_SPEC_NAMES = {
+LOCAL_SPEC_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -253,7 +253,7 @@ def _unstack(key: str, value: torch.Tensor, num_layers: int, local_spec: bool) -
             f"{key}: a stacked layer tensor should have {num_layers} layers in its first dim, "
             f"has shape {tuple(value.shape)}"
         )
-    rest = _LOCAL_SPEC_NAMES.get(rest, rest) if local_spec else rest
+    rest = LOCAL_SPEC_NAMES.get(rest, rest) if local_spec else rest
     return [(f"{prefix}layers.{i}.{rest}", value[i].clone()) for i in range(num_layers)]
 
 
