@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tests import integration_megatron_cpu
-from tests.integration_megatron_worker import Job, full_state
+from tests.integration_megatron_worker import Job
 
 
 def build(distributed: bool) -> Job:
@@ -77,9 +77,30 @@ def load(job: Job, directory: str) -> dict[str, Any]:
         "tp": loaded["args"].tensor_model_parallel_size,
         "content": {k: v for k, v in content.items() if k != "dp_cp_group"},
         "rng": loaded["rng_state"],
-        "state": full_state(job),
+        "state": _full_state(job, content),
         "steps": _steps(job),
     }
+
+
+def _full_state(job: Job, content: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The loaded weights and moments under GPTModel's names, as megatron-core's own save would gather them.
+
+    At tp=1 every rank holds whole weights; the optimizer's sharded state dict for saving
+    (for the distributed optimizer its ``fully_reshardable`` form, gathered over dp) gives
+    whole moments under ``optimizer.state.<moment>.<key>``, matched to names by key and layer offset.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    model_sd = job.model[0].module.sharded_state_dict(metadata=content)  # as for a save: the loaded one is spent
+    names = {(t.key, t.global_offset): name for name, t in model_sd.items() if isinstance(t, ShardedTensor)}
+    out = {f"model.{name}": t.data.detach().clone() for name, t in model_sd.items() if isinstance(t, ShardedTensor)}
+    optimizer_sd = job.optimizer.sharded_state_dict(model_sd, metadata=content)
+    for t in nested_values(optimizer_sd):
+        if isinstance(t, ShardedTensor) and t.key.startswith("optimizer.state."):
+            moment, _, key = t.key[len("optimizer.state.") :].partition(".")
+            out[f"optimizer.state.{names[(key, t.global_offset)]}.{moment}"] = t.data.detach().clone()
+    return out
 
 
 def _steps(job: Job) -> list[float]:
