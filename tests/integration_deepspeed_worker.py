@@ -41,7 +41,11 @@ def model(seed: int = 0) -> torch.nn.Module:
 def engine(stage: int, seed: int = 0, lr: float = 1e-2) -> Any:
     deepspeed = _deepspeed()
     net = model(seed)
-    optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+    # two groups, as GPT-NeoX's (weight decay on the weights, none on the biases): two flat ZeRO groups
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    groups = [{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}]
+    optimizer = torch.optim.Adam(groups, lr=lr)
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -200,17 +204,22 @@ def reshard_save(rank: int, world: int, directory: str, stage: int) -> dict[str,
     }
 
 
-def reshard_load(rank: int, world: int, directory: str, stage: int, stock: str | None = None) -> dict[str, Any]:
+def reshard_load(
+    rank: int, world: int, directory: str, stage: int, stock: str | None = None, save_to: str | None = None
+) -> dict[str, Any]:
     """A fresh engine (other seed) at ``world`` ranks loads the reshardable checkpoint.
 
     With ``stock``, another fresh engine then loads that directory of DeepSpeed's own files
-    with DeepSpeed's own engine (``result["stock"]``), in the same launch.
+    with DeepSpeed's own engine (``result["stock"]``), in the same launch. With ``save_to``
+    the loaded engine saves again there in the reshardable mode, unchanged.
     """
-    from shardpoint.integrations.deepspeed import load_checkpoint
+    from shardpoint.integrations.deepspeed import load_checkpoint, save_checkpoint
 
     eng = engine(stage, seed=1)
     path, client = load_checkpoint(eng, directory)
     result = _loaded(eng, path, client)
+    if save_to is not None:
+        save_checkpoint(eng, save_to, client_state=client)
     if stock is not None:
         other = engine(stage, seed=1)
         result["stock"] = _loaded(other, *other.load_checkpoint(stock))

@@ -205,13 +205,17 @@ FULL = pytest.mark.skipif(not FULL_RUN, reason="SHARDPOINT_DEEPSPEED_FULL=1")
 
 
 @pytest.mark.parametrize("world, stage", [(1, 2), (1, 1), (1, 3), (2, 3), pytest.param(4, 1, marks=FULL)])
-def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded, world, stage, request):
+def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded, world, stage, request, tmp_path):
     directory, saved = resharded
     assert (directory / "latest").read_text() == "global_step3"
     assert json.loads((directory / "global_step3" / "shardpoint.json").read_text())["format"] == "dist"
     # at dp=1 ZeRO-2 the same launch loads DeepSpeed's own dp=2 files rewritten for dp=1 (convert, below)
     stock = str(request.getfixturevalue("redp")) if (world, stage) == (1, 2) else None
-    results = launch(reshard_load, world, str(directory), stage, stock, env=ENV, backend="gloo")
+    # at dp=2 ZeRO-3 the loaded engine saves again: a ZeRO-3 source for convert --to deepspeed
+    save_to = str(tmp_path / "from-zero3") if (world, stage) == (2, 3) else None
+    results = launch(reshard_load, world, str(directory), stage, stock, save_to, env=ENV, backend="gloo")
+    if save_to is not None:
+        _converts_as_the_zero2_source(save_to, request, tmp_path)
     if stock is not None:  # the same training run as the reshardable save's (same seeds, batches, steps)
         result = results[0]["stock"]
         _same(result["state"], saved[0]["state"])
@@ -228,6 +232,23 @@ def test_reshardable_mode_resumes_at_another_dp_size_and_stage_exactly(resharded
         for rank, result in enumerate(results):
             assert result["client"]["rank"] == rank
             assert result["client"]["np_rng_state"][1].dtype.name == "uint32"
+
+
+def _converts_as_the_zero2_source(source: str, request, tmp_path) -> None:
+    """A ZeRO-3 reshardable save of the same state converts to the same DeepSpeed files as the ZeRO-2 one.
+
+    Its two optimizer groups (ZeRO-3 sub-groups joined again by group) must be recorded as
+    the ZeRO-2 engine flattened them, or the files differ.
+    """
+    from shardpoint.cli import main
+
+    for zero, fixture in ((2, "converted"), (3, "converted3")):
+        out = tmp_path / f"zero{zero}"
+        assert main(["convert", "--to", "deepspeed", source, str(out), "--dp", "2", "--zero-stage", str(zero)]) == 0
+        mine, theirs = tag_files(out / TAG), tag_files(request.getfixturevalue(fixture) / TAG)
+        assert mine.keys() == theirs.keys()
+        for name in mine.keys() - {"shardpoint.json"}:  # the marker records the wall time
+            assert mine[name] == theirs[name], f"ZeRO-{zero}: {name} differs"
 
 
 class _RunsCode:

@@ -260,14 +260,16 @@ def _param_groups(engine: Any) -> list[dict[str, Any]]:
 
     What ``shardpoint convert --to deepspeed`` needs to lay DeepSpeed's flat partitions
     out again. ZeRO-1/2 flatten each optimizer group in ``round_robin_bit16_groups``
-    order; ZeRO-3's groups are recorded as one group of the trainable parameters in
-    module order.
+    order; ZeRO-3 cuts each optimizer group into sub-groups (``fp16_groups``, each
+    with its group's id in ``sub_group_to_group_id``), joined again here in order.
     """
     names = {id(p): n for n, p in engine.module.named_parameters()}
     base = engine.optimizer.optimizer.param_groups
     flat_groups = getattr(engine.optimizer, "round_robin_bit16_groups", None)
     if flat_groups is None:  # ZeRO-3
-        flat_groups = [[p for p in engine.module.parameters() if p.requires_grad]]
+        flat_groups = [[] for _ in base]
+        for index, sub_group in enumerate(engine.optimizer.fp16_groups):
+            flat_groups[engine.optimizer.sub_group_to_group_id[index]].extend(sub_group)
     groups = []
     for params, group in zip(flat_groups, base):
         hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
