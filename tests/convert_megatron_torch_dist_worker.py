@@ -19,8 +19,8 @@ from tests import integration_megatron_cpu
 from tests.integration_megatron_worker import Job
 
 
-def build(distributed: bool) -> Job:
-    """The fixture's GPTModel (local spec, 4 layers, hidden 64, vocabulary 128) at tp=1 with its optimizer."""
+def build(distributed: bool, tp: int = 1, pp: int = 1) -> Job:
+    """The fixture's GPTModel (local spec, 4 layers, hidden 64, vocabulary 128) with its optimizer."""
     integration_megatron_cpu.install()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -30,11 +30,12 @@ def build(distributed: bool) -> Job:
     from megatron.core.transformer import TransformerConfig
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(99)
     tensor_parallel.model_parallel_cuda_manual_seed(99)
     config = TransformerConfig(
         num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, normalization="LayerNorm",
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
         add_bias_linear=True, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False,
@@ -46,6 +47,8 @@ def build(distributed: bool) -> Job:
         max_sequence_length=32,
         position_embedding_type="learned_absolute",
         share_embeddings_and_output_weights=False,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False), model
@@ -56,7 +59,6 @@ def build(distributed: bool) -> Job:
 
 def load(job: Job, directory: str) -> dict[str, Any]:
     """What Megatron-LM's ``load_checkpoint`` does for a ``torch_dist`` iteration directory, without its loop."""
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -67,7 +69,16 @@ def load(job: Job, directory: str) -> dict[str, Any]:
     state = {
         "model": model_sd,
         "optimizer": job.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=content),
-        "rng_state": ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=dist.get_rank()),
+        "rng_state": ShardedObject(  # as Megatron-LM's get_rng_state(ckpt_format="torch_dist") lays it out
+            "rng_state",
+            None,
+            (
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_tensor_model_parallel_world_size(),
+            ),
+            (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
+            replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        ),
     }
     loaded = dist_checkpointing.load(state, directory)
     model.load_state_dict(loaded["model"])
