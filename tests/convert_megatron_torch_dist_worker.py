@@ -160,3 +160,24 @@ def _step_kept_as_with_fused_adam() -> None:
 
     set_states.stand_in = True  # type: ignore[attr-defined]
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def load_at(rank: int, world: int, directory: str, tp: int, pp: int, distributed: bool) -> dict[str, Any]:
+    """Load one export at (tp, pp, dp = world / tp / pp); every loaded tensor by its global key and slice."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    job = build(distributed, tp=tp, pp=pp)
+    if distributed:
+        _step_kept_as_with_fused_adam()
+        job.optimizer.step()
+    result = load(job, directory)
+    content = result.pop("content")
+    model_sd = job.model[0].module.sharded_state_dict(metadata=content)
+    optimizer_sd = job.optimizer.sharded_state_dict(model_sd, metadata=content)
+    result["state"] = [
+        (t.key, t.global_slice(), t.data.detach().clone())
+        for t in (*nested_values(model_sd), *nested_values(optimizer_sd))
+        if isinstance(t, ShardedTensor)
+    ]
+    return result

@@ -9,6 +9,7 @@ gloo ranks. Weights, moments and the step equal the fixture's truth.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 
 import pytest
@@ -39,8 +40,8 @@ def test_megatron_core_loads_the_export_at_another_tp(tmp_path):
     from tests import convert_megatron_torch_dist_worker as worker
 
     plain, distributed = tmp_path / "plain", tmp_path / "distopt"
-    assert convert(plain)["ckpt_format"] == "torch_dist"
-    convert(distributed, "--distributed-optimizer")
+    assert convert(plain)["ckpt_format"] == "torch_dist"  # the CLI once, the API once
+    export_megatron_torch_dist(read_foreign(SOURCE), distributed, tp=1, pp=1, dp=2, distributed_optimizer=True)
     assert (plain / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert json.loads((plain / STEP / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     results = launch(worker.load_both, 2, str(plain / STEP), str(distributed / STEP), backend="gloo", timeout=240)
@@ -83,3 +84,30 @@ def test_what_it_does_not_write_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(CheckpointError, match="--ckpt-format torch"):
         export_megatron_torch_dist(source, tmp_path / "moe", tp=1, pp=1)
     assert not (tmp_path / "bf16").exists() and not (tmp_path / "moe").exists()
+
+
+@pytest.mark.skipif(
+    not os.environ.get("SHARDPOINT_MEGATRON_FULL"), reason="set SHARDPOINT_MEGATRON_FULL=1 (about 1 min)"
+)
+@pytest.mark.parametrize(("tp", "pp", "distributed"), [(1, 2, False), (1, 2, True), (2, 1, True)])
+def test_megatron_core_loads_the_export_at_other_layouts(tmp_path, tp, pp, distributed):
+    """At pp=2 and at tp=2 too: every tensor megatron-core loads equals the fixture's at its global key and slice."""
+    pytest.importorskip("megatron.core")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests import convert_megatron_torch_dist_worker as worker
+
+    export_megatron_torch_dist(
+        read_foreign(SOURCE), tmp_path / "out", tp=tp, pp=pp, dp=2 // (tp * pp), distributed_optimizer=distributed
+    )
+    dcp_to_torch_save(SOURCE / STEP, tmp_path / "source.pt")  # the fixture's global tensors, read by DCP alone
+    source = torch.load(tmp_path / "source.pt", weights_only=False)
+    results = launch(worker.load_at, 2, str(tmp_path / "out" / STEP), tp, pp, distributed, backend="gloo", timeout=300)
+    seen = set()
+    for result in results:
+        assert result["iteration"] == 2 and result["rng"] is not None and set(result["steps"]) == {2.0}
+        for key, where, tensor in result["state"]:
+            key = key.replace("optimizer.state.param.", "")  # the distributed optimizer's fp32 copy of the weight
+            assert torch.equal(tensor, source[key][where]), (key, where)
+            seen.add(key)
+    assert len([k for k in source if isinstance(source[k], torch.Tensor)]) == len(seen)
