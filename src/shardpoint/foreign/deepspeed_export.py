@@ -21,7 +21,7 @@ optimizer's state as ``optimizer.state_dict()`` gives it (Adam's moments over th
 padded slice, the step, the group's hyperparameters), the padding on the last rank
 (``group_paddings``) and where each parameter's fragment lies in the slice
 (``param_slice_mappings``, for ``zero_to_fp32`` and ``ds_to_universal``). ZeRO-3 writes
-per-rank model states and partitions each parameter on its own (:func:`zero3_files`).
+per-rank model states and partitions each parameter on its own (``_zero3_files``).
 
 The target model's optimizer must have the same groups, in the same order: the source's
 groups (recorded by the reshardable mode; a DeepSpeed or Megatron-LM source's own); a
@@ -136,7 +136,7 @@ def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp
         raise CheckpointError(f"{final} exists already; convert into another directory or remove it first")
     groups = _groups(ckpt)
     if stage == 3:
-        files = zero3_files(ckpt, groups, dp)
+        files = _zero3_files(ckpt, groups, dp)
     else:
         files = {"mp_rank_00_model_states.pt": _model_states(ckpt, groups, dp, stage)}
         for rank in range(dp if groups else 0):
@@ -269,7 +269,7 @@ def _model_states(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], dp: int
     return state | {k: args_from_json(v) for k, v in client.items() if k not in state}
 
 
-def zero3_files(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], dp: int) -> dict[str, Any]:
+def _zero3_files(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], dp: int) -> dict[str, Any]:
     """DeepSpeed's ZeRO-3 files for ``dp`` ranks: per rank, its model states and its optimizer states.
 
     ZeRO-3 partitions each parameter on its own: rank r holds elements ``[r * n, (r + 1) * n)``
