@@ -244,9 +244,14 @@ def _objects(ckpt: ForeignCheckpoint, layers: int, tp: int, pp: int) -> dict[str
         if not ckpt.extra.get("release"):
             log.warning("%s has no RNG state to carry over: start Megatron-LM with --no-load-rng", ckpt.path)
         return objects
-    for p in range(pp):
-        for t in range(tp):
-            objects[f"rng_state/shard_{p}.{t}_{pp}.{tp}"] = _pickled([rng_for(ckpt, t, p)])
+    states = {(p, t): rng_for(ckpt, t, p) for p in range(pp) for t in range(tp)}
+    for (p, t), state in states.items():
+        objects[f"rng_state/shard_{p}.{t}_{pp}.{tp}"] = _pickled([state])
+    if not all(s.get("rng_tracker_states") for state in states.values() for s in state or [{}]):
+        # Megatron-LM's load exits on them (a KeyError), as it does on its own checkpoints without them
+        log.warning(
+            "%s: the RNG state has no tensor-parallel tracker states: start Megatron-LM with --no-load-rng", ckpt.path
+        )
     return objects
 
 
