@@ -38,12 +38,15 @@ def model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
 
 
-def engine(stage: int, seed: int = 0, lr: float = 1e-2) -> Any:
+def engine(stage: int, seed: int = 0, lr: float = 1e-2, frozen: tuple[str, ...] = ()) -> Any:
+    """A DeepSpeed engine of :func:`model`; the parameters named in ``frozen`` are not trained (nor optimized)."""
     deepspeed = _deepspeed()
     net = model(seed)
+    for name, param in net.named_parameters():
+        param.requires_grad_(name not in frozen)
     # two groups, as GPT-NeoX's (weight decay on the weights, none on the biases): two flat ZeRO groups
-    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight") and n not in frozen]
+    biases = [p for n, p in net.named_parameters() if not n.endswith("weight") and n not in frozen]
     groups = [{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}]
     optimizer = torch.optim.Adam(groups, lr=lr)
     config = {
@@ -126,15 +129,17 @@ def load_stock(rank: int, world: int, directory: str, stage: int) -> dict[str, A
 
 
 def load_stock_and_converted(
-    rank: int, world: int, directory: str, converted: str, stage: int, converted3: str
+    rank: int, world: int, directory: str, converted: str, stage: int, converted3: str, frozen3: str
 ) -> dict[str, Any]:
     """:func:`load_stock` of ``directory``, then DeepSpeed's own engine loads ``convert --to deepspeed``'s files
-    (``converted`` at ``stage``, ``converted3`` at ZeRO-3)."""
+    (``converted`` at ``stage``, ``converted3`` at ZeRO-3, ``frozen3`` at ZeRO-3 with ``0.bias`` frozen)."""
     stock = load_stock(rank, world, directory, stage)
     eng = engine(stage, seed=1)
     result = {"stock": stock, "converted": _loaded(eng, *eng.load_checkpoint(converted))}
     eng3 = engine(3, seed=1)
-    return result | {"converted3": _loaded(eng3, *eng3.load_checkpoint(converted3))}
+    result["converted3"] = _loaded(eng3, *eng3.load_checkpoint(converted3))
+    frozen = engine(3, seed=1, frozen=("0.bias",))
+    return result | {"frozen3": _loaded(frozen, *frozen.load_checkpoint(frozen3))}
 
 
 def load_ours(rank: int, world: int, directory: str, stage: int, options: dict | None = None) -> dict[str, Any]:
@@ -183,6 +188,8 @@ def full_state(eng: Any) -> dict[str, torch.Tensor]:
         eng.optimizer._lazy_init_hp_params_optimizer_state()
     out = {}
     for name, param in eng.module.named_parameters():
+        if not param.requires_grad:
+            continue  # frozen: no optimizer state
         out[f"{name}.fp32"] = safe_get_full_fp32_param(param).clone()
         for key in ("exp_avg", "exp_avg_sq"):
             out[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).clone()

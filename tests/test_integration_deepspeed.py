@@ -102,6 +102,21 @@ def converted3(resharded, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def frozen3(resharded, tmp_path_factory):
+    """The same state with ``0.bias`` taken out of the optimizer (frozen), as DeepSpeed's ZeRO-3 files for dp=2."""
+    from shardpoint.foreign.deepspeed_export import export_deepspeed, from_reshardable
+
+    directory, _ = resharded
+    ckpt = from_reshardable(str(directory))
+    del ckpt.optimizer["0.bias"]
+    for group in ckpt.param_groups:
+        group["param_names"] = [n for n in group["param_names"] if n != "0.bias"]
+    out = tmp_path_factory.mktemp("frozen3") / "ds"
+    export_deepspeed(ckpt, out, dp=2, stage=3)
+    return out
+
+
+@pytest.fixture(scope="module")
 def redp(both, tmp_path_factory):
     """DeepSpeed's own dp=2 ZeRO-2 files (no shardpoint in them) rewritten for dp=1, which DeepSpeed refuses to load."""
     from shardpoint.cli import main
@@ -116,11 +131,11 @@ def redp(both, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stock_loaded(both, converted, converted3):
+def stock_loaded(both, converted, converted3, frozen3):
     """DeepSpeed's own engine (no shardpoint) loads shardpoint's files and trains two more steps (and, in the
     same launch, loads what ``convert --to deepspeed`` wrote, at ZeRO-2 and at ZeRO-3)."""
     _, ours, *_ = both
-    args = str(ours), str(converted), 2, str(converted3)
+    args = str(ours), str(converted), 2, str(converted3), str(frozen3)
     return launch(load_stock_and_converted, 2, *args, env=ENV, backend="gloo")
 
 
@@ -386,6 +401,15 @@ def test_convert_to_deepspeed_zero3_files_deepspeeds_own_zero3_engine_loads_exac
 
     merged = get_fp32_state_dict_from_zero_checkpoint(str(converted3))  # zero_to_fp32's ZeRO-3 path
     _same({k: v.float() for k, v in merged.items()}, saved[0]["params"])
+
+
+def test_convert_to_deepspeed_zero3_frozen_parameter_loaded_from_its_fragments(resharded, stock_loaded):
+    _, saved = resharded
+    trained = {k: v for k, v in saved[0]["state"].items() if not k.startswith("0.bias.")}
+    for result in (r["frozen3"] for r in stock_loaded):  # DeepSpeed's ZeRO-3 engine with 0.bias frozen
+        _same(result["params"], saved[0]["params"])  # 0.bias included: from frozen_param_fragments
+        _same(result["state"], trained)
+        assert result["step"] == 3
 
 
 def test_convert_to_deepspeed_refuses_to_guess_the_flattening_order(tmp_path):

@@ -278,20 +278,31 @@ def _zero3_files(ckpt: ForeignCheckpoint, groups: list[dict[str, Any]], dp: int)
     after another, without further padding. A group is cut into sub-groups of at least
     ``sub_group_size`` partitioned elements (DeepSpeed's ``_create_fp16_sub_groups``); the
     base optimizer's state is keyed by sub-group, in order. The model states hold the weights
-    as DeepSpeed's partitioned placeholders (empty tensors) and each sub-group's full shapes.
+    as DeepSpeed's partitioned placeholders (empty tensors) and each sub-group's full shapes;
+    a parameter outside the optimizer (frozen) as this rank's piece in ``frozen_param_fragments``.
     """
+    if not groups:  # DeepSpeed's ZeRO-3 engine restores trained weights from the fp32 partitions only
+        raise CheckpointError(
+            f"{ckpt.path} has no optimizer state, and DeepSpeed's ZeRO-3 engine takes its trained weights from the "
+            "optimizer's fp32 partitions; convert with --zero-stage 1 or 2 (weights only)"
+        )
     subs = [(g, names) for g, group in enumerate(groups) for names in _sub_groups(ckpt, group, dp)]
+    listed = {n for group in groups for n in group["param_names"]}
+    frozen = [n for n in ckpt.params if n not in listed and n not in ckpt.buffers]
     files: dict[str, Any] = {}
     for rank in range(dp):
         model = _model_states(ckpt, groups, dp, 3)
         module = model["module"].items()  # buffers are not partitioned: whole
         model["module"] = OrderedDict((n, t if n in ckpt.buffers else t.new_empty(0)) for n, t in module)
         model["param_shapes"] = [OrderedDict((n, ckpt.params[n].shape) for n in names) for _, names in subs]
+        # parameters outside the optimizer: each rank's piece (its ds_tensor), which DeepSpeed's load copies back
+        model["frozen_param_shapes"] = OrderedDict((n, ckpt.params[n].shape) for n in frozen)
+        pieces = ((n, _zero3_piece(ckpt.params[n], dp, rank, ckpt.params[n].dtype)) for n in frozen)
+        model["frozen_param_fragments"] = OrderedDict(pieces)
         model["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
         files[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = model
-        if groups:
-            zero = {"optimizer_state_dict": _zero3_state(ckpt, groups, subs, dp, rank)}
-            files[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = zero | _versions(ckpt, 3)
+        zero = {"optimizer_state_dict": _zero3_state(ckpt, groups, subs, dp, rank)}
+        files[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = zero | _versions(ckpt, 3)
     return files
 
 
@@ -313,9 +324,9 @@ def _sub_groups(ckpt: ForeignCheckpoint, group: dict[str, Any], dp: int) -> list
     return subs
 
 
-def _zero3_piece(value: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
+def _zero3_piece(value: torch.Tensor, dp: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rank ``rank``'s piece of one parameter's flattened state, zero-padded to ``ceil(numel / dp)``."""
-    flat = value.detach().reshape(-1).to(torch.float32)
+    flat = value.detach().reshape(-1).to(dtype)
     size = math.ceil(flat.numel() / dp)
     piece = flat[rank * size : (rank + 1) * size]
     return torch.cat([piece, piece.new_zeros(size - piece.numel())])
