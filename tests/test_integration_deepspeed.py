@@ -423,3 +423,14 @@ def test_convert_to_deepspeed_refuses_to_guess_the_flattening_order(tmp_path):
     with pytest.raises(CheckpointError, match="parameter groups.*--no-optimizer"):
         export_deepspeed(ckpt, tmp_path / "out", dp=2)
     assert not (tmp_path / "out" / "global_step1").exists()
+
+
+def test_convert_to_deepspeed_zero3_refuses_weights_without_optimizer_state(tmp_path):
+    from shardpoint.errors import CheckpointError
+    from shardpoint.foreign._types import ForeignCheckpoint
+    from shardpoint.foreign.deepspeed_export import export_deepspeed
+
+    ckpt = ForeignCheckpoint("hf", "hf", "src", 1, params={"w": torch.ones(2, 3)})
+    with pytest.raises(CheckpointError, match="fp32 partitions.*--zero-stage 1 or 2"):
+        export_deepspeed(ckpt, tmp_path / "out", dp=2, stage=3)
+    assert not (tmp_path / "out" / "global_step1").exists()
