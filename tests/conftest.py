@@ -12,6 +12,19 @@ import torch
 from shardpoint.demo.cluster import wait_for_s3_server
 from tests.distributed import free_port
 
+#: the suite must finish in under 20 minutes on 2 cores: longer variants are marked ``long``
+LONG_RUN = os.environ.get("SHARDPOINT_LONG") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the ``long`` variants unless ``SHARDPOINT_LONG=1`` asks for them."""
+    if LONG_RUN:
+        return
+    skip = pytest.mark.skip(reason="a longer variant: SHARDPOINT_LONG=1 runs it")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture(autouse=True)
 def _quiet_torch_warnings():

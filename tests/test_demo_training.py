@@ -69,6 +69,7 @@ def _losses(runs: list[dict]) -> dict[int, float]:
     return losses
 
 
+@pytest.mark.long  # 4 ranks x 3 launches; tests/test_resume_multirank.py proves exact resumes, RNG included
 def test_exact_resume_same_layout_is_bit_identical(tmp_path):
     """Dropout on: bit-identical also proves the per-rank RNG streams were restored."""
     ref = launch(_train, 4, config(str(tmp_path / "ref"), LAYOUT))

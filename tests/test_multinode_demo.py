@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from shardpoint.cli import main
 
 
+@pytest.mark.long  # tests/test_multinode.py loses a node and resumes resharded from S3
 def test_demo_on_two_nodes_loses_one_and_resumes_resharded_from_the_object_store(tmp_path, capsys):
     directory = tmp_path / "demo"
     code = main(["demo", "--nnodes", "2", "--iters", "8", "--save-interval", "2", "--dir", str(directory), "--json"])
@@ -26,6 +29,7 @@ def test_demo_on_two_nodes_loses_one_and_resumes_resharded_from_the_object_store
     assert (directory / "loss.png").stat().st_size > 10_000
 
 
+@pytest.mark.long  # tests/test_local_tier.py replaces a node and resumes from the replicas
 def test_demo_local_tier_loses_both_nodes_and_resumes_from_node_0s_replicas(tmp_path, capsys):
     """--local-interval 2: every node SIGKILLed, node 1 replaced empty; the restart loses fewer steps than S3 would."""
     directory = tmp_path / "demo"

@@ -156,6 +156,7 @@ def test_local_first_upload_interrupted_and_resumed(s3_server, bucket, tmp_path)
     assert_same(state, fresh)
 
 
+@pytest.mark.long  # the bench's rows are checked on disk in tests/test_bench.py, its S3 client in test_store_bench
 def test_bench_reports_upload_and_download_against_the_server(s3_server, bucket):
     report = run_bench_json(f"{bucket}/bench", env={**os.environ, **s3_server.env})
     rows = {row["name"]: row for row in report["rows"]}
