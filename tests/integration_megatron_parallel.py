@@ -19,14 +19,14 @@ from tests import integration_megatron_worker as worker
 from tests.integration_megatron_flags import differ, finish, session
 
 
-def train_step(job: worker.Job, step: int) -> float:
+def train_step(job: worker.Job, step: int, vocab: int = worker.VOCAB) -> float:
     """One step through megatron-core's own schedule (1F1B across the stages at pp>1)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ddp = job.model[0]
     ddp.zero_grad_buffer()
     job.optimizer.zero_grad()
-    tokens, labels = worker.batch(step)
+    tokens, labels = worker.batch(step, vocab)
     position_ids = torch.arange(worker.SEQ).unsqueeze(0).expand_as(tokens)
 
     def forward_step(data_iterator: Any, model: Any) -> Any:
@@ -109,6 +109,47 @@ def reshard(root: str, **shape: Any) -> dict[str, Any]:
     return {"returned": returned, "state": state}
 
 
+# 50 tokens padded to multiples of 8 x tp: 64 rows at tp=2, 56 at tp=1 (the true vocabulary is not recorded)
+TOKENS = 50
+
+
+def vocab_args(root: str, tp: int, rows: int) -> Any:
+    return worker.args(root, padded_vocab_size=rows, make_vocab_size_divisible_by=8, tensor_model_parallel_size=tp)
+
+
+def vocab_resize(root: str) -> dict[str, Any]:
+    """tp=2 (64 rows) saved; tp=1 (56 rows) loads it, trains, saves; tp=2 loads that; tp=1 at 40 rows is refused."""
+    job = worker.build(2, vocab=64)
+    job.args = vocab_args(f"{root}/tp2", 2, 64)
+    s = session(job)
+    train_step(job, 1, TOKENS)
+    s.save_checkpoint(1, job.model, job.optimizer, job.scheduler, 9.0)
+    finish(s)
+    out: dict[str, Any] = {}
+    for name, tp, rows, load, save in (("trim", 1, 56, "tp2", "tp1"), ("pad", 2, 64, "tp1", None)):
+        job = worker.build(tp, vocab=rows, seed=99)
+        job.args = vocab_args(f"{root}/{load}", tp, rows)
+        s = session(job)
+        s.load_checkpoint(job.model, job.optimizer, job.scheduler)
+        out[name] = full_state(job)
+        if save:
+            job.args.save = f"{root}/{save}"
+            train_step(job, 2, TOKENS)  # the resized job trains on
+            out[f"{name}_saved"] = full_state(job)
+            s.save_checkpoint(2, job.model, job.optimizer, job.scheduler, 9.0)
+        finish(s)
+    job = worker.build(1, vocab=40)  # another tokenizer: 40 rows would drop real tokens of the 64
+    job.args = vocab_args(f"{root}/tp2", 1, 40)
+    s = session(job)
+    try:
+        s.load_checkpoint(job.model, job.optimizer, job.scheduler)
+        out["refused"] = None
+    except Exception as exc:  # noqa: BLE001 - the test names the class and message
+        out["refused"] = (type(exc).__name__, str(exc))
+    finish(s)
+    return out
+
+
 def run(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"seconds": {}}
     phases = {
@@ -116,6 +157,7 @@ def run(rank: int, world: int, root: str) -> dict[str, Any]:
         "pp1_dp2": lambda: reshard(f"{root}/pp", tp=1, pp=1),
         "ep2": lambda: resume(f"{root}/moe", tp=1, experts=4, ep=2),
         "ep1": lambda: reshard(f"{root}/moe", tp=1, experts=4, ep=1),
+        "vocab": lambda: vocab_resize(f"{root}/vocab"),
     }
     for name, phase in phases.items():
         start = time.perf_counter()

@@ -73,3 +73,41 @@ def test_moe_ep2_resumes_bit_exact_with_the_distributed_optimizer(phases):
 def test_moe_ep2_loaded_at_ep1_equals_the_offline_reader(phases):
     root, results = phases
     _equals_offline(f"{root}/moe", results, "ep2", "ep1")
+
+
+def test_padded_vocabulary_trimmed_at_tp1_equals_the_offline_reader(phases):
+    from shardpoint.offline import read_full
+
+    root, results = phases
+    offline = read_full(f"{root}/vocab/tp2").tensors
+    for r in results:
+        state = r["vocab"]["trim"]
+        assert state["model.embedding.word_embeddings.weight"].shape[0] == 56  # 64 rows at tp=2, 56 at tp=1
+        for key, value in state.items():  # the vocabulary's tensors (and their moments) lose padding rows only
+            expected = offline[key][: value.shape[0]] if value.dim() else offline[key]
+            assert torch.equal(value, expected.to(value.dtype)), key
+
+
+def test_padded_vocabulary_padded_at_tp2_repeats_the_last_row_and_zeroes_its_moments(phases):
+    _, results = phases
+    for r in results:
+        saved, state = r["vocab"]["trim_saved"], r["vocab"]["pad"]
+        assert state.keys() == saved.keys()
+        for key, value in state.items():
+            before = saved[key]
+            if value.shape == before.shape:
+                assert torch.equal(value, before), key
+                continue
+            assert torch.equal(value[: before.shape[0]], before), key
+            assert key.endswith(("word_embeddings.weight", "output_layer.weight", ".exp_avg", ".exp_avg_sq")), key
+            new = value[before.shape[0] :]
+            expected = torch.zeros_like(new) if ".exp_avg" in key else before[-1].expand_as(new)
+            assert torch.equal(new, expected), key  # Megatron's converter repeats the last row
+
+
+def test_a_trim_that_would_drop_real_tokens_is_refused_by_name(phases):
+    _, results = phases
+    for r in results:
+        kind, message = r["vocab"]["refused"]
+        assert kind == "PaddedVocabularyError"
+        assert "embedding.word_embeddings.weight" in message and "rows 40..63" in message and "tokenizer" in message

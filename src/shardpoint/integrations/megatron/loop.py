@@ -58,6 +58,7 @@ from shardpoint.parallel.topology import Topology
 from shardpoint.state.train_state import TrainState
 
 from .state import MegatronModel, MegatronRng, optimizer_state
+from .vocab import VOCAB_ARGS, VocabPadding, padding_for, saved_vocab, vocab_config
 
 __all__ = ["ARGS_FILE", "HONOURED", "NOT_APPLICABLE", "NativeCheckpointError", "Session"]
 
@@ -109,7 +110,8 @@ def config_options(args: argparse.Namespace) -> dict[str, Any]:
     change it), so it is compared only with grouped-query attention.
     """
     config = {k: getattr(args, k, None) for k in MODEL_ARGS if _is_json(getattr(args, k, None))}
-    allowed = set(vars(args)) - set(MODEL_ARGS)
+    config.update(vocab_config(args))  # recorded for a resume at another tp (see .vocab), never compared
+    allowed = (set(vars(args)) | set(VOCAB_ARGS)) - set(MODEL_ARGS)
     if not getattr(args, "group_query_attention", False):
         allowed.add("num_query_groups")
     return {"config": config, "allow_config_mismatch": sorted(allowed)}
@@ -223,13 +225,21 @@ class Session:
         return self.checkpointer(args, args.save, **self._local_options(args))
 
     @staticmethod
-    def state(model: Any, optimizer: Any, scheduler: Any, args: argparse.Namespace, saving: bool) -> TrainState:
+    def state(
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        args: argparse.Namespace,
+        saving: bool,
+        vocab: VocabPadding | None = None,
+    ) -> TrainState:
         chunks = model if isinstance(model, (list, tuple)) else [model]
         with_optim = not (args.no_save_optim if saving else False)
         stateful = {} if saving and getattr(args, "no_save_rng", False) else {"megatron_rng": MegatronRng()}
+        view = MegatronModel(list(chunks), vocab)
         return TrainState(
-            model=MegatronModel(list(chunks)),
-            optimizer=optimizer_state(optimizer) if with_optim and optimizer is not None else None,
+            model=view,
+            optimizer=optimizer_state(optimizer, view) if with_optim and optimizer is not None else None,
             scheduler=scheduler if with_optim else None,
             stateful=stateful,
         )
@@ -301,14 +311,17 @@ class Session:
         result = None
         if load_dir:
             ckpt = self.main(args) if load_dir == args.save else self.checkpointer(args, load_dir)
+            vocab = _vocab_padding(load_dir, args)
             result = ckpt.load(
-                self.state(ddp_model, optimizer, opt_param_scheduler, args, saving=False),
+                self.state(ddp_model, optimizer, opt_param_scheduler, args, saving=False, vocab=vocab),
                 iteration=getattr(args, "ckpt_step", None),
                 finetune=bool(args.finetune),
                 load_optimizer=not args.no_load_optim,
                 load_rng=not args.no_load_rng,
                 strict=strictness(args),
             )
+            if vocab is not None and result is not None:
+                vocab.fill_model()  # when the optimizer was not loaded (it fills first otherwise)
         self.last_load = result
         if result is None:
             if getattr(args, "exit_on_missing_checkpoint", False):
@@ -448,6 +461,15 @@ def _training_module(name: str) -> Any:
         return importlib.import_module(f"megatron.training.{name}")
     except ImportError:
         return None
+
+
+def _vocab_padding(load_dir: str, args: argparse.Namespace) -> VocabPadding | None:
+    """Rows to trim or pad when the checkpoint to load (the tracker's, or ``--ckpt-step``'s) has another
+    padded vocabulary (local directories; elsewhere a tp change that moves the padding stays refused)."""
+    step = getattr(args, "ckpt_step", None)
+    found = os.path.join(load_dir, f"iter_{int(step):07d}") if step is not None else committed_dir(load_dir)
+    saved = saved_vocab(found)
+    return padding_for(found, saved, args) if found and saved else None
 
 
 def _has_checkpoint(root: str | None) -> bool:

@@ -87,16 +87,25 @@ class PlainOptimizerState(OptimizerAdapter):
     two calls :func:`~shardpoint.state.train_state.collect` and the load pipeline make.
     """
 
-    def __init__(self, optimizer: Any):
+    def __init__(self, optimizer: Any, model: Any = None):
+        """``model``: the :class:`~.state.MegatronModel` whose shards the state follows (its
+        ``resized`` vocabulary tensors, clipped to a checkpoint's rows; see :mod:`.vocab`)."""
         self.optimizer = optimizer
+        self.model = model
         self.inner = [opt for opt in inner_optimizers(optimizer) if getattr(opt, "optimizer", None) is not None]
+        self._padded: list[tuple[torch.nn.Parameter, torch.nn.Parameter, dict[str, Any], int]] = []
 
     def sharded_state_dict(self, model_shards: dict[str, Shard]) -> dict[str, Shard]:
-        index = param_shard_index(model_shards)
+        index = {**param_shard_index(model_shards), **(self.model.resized if self.model is not None else {})}
         out: dict[str, Shard] = {}
+        self._padded = []
         for opt, model_param, main_param in self._params():
             key, shard = find_param(index, model_param)
             state = _ensure_state(opt, main_param)
+            if shard is None or shard.tensor.shape != model_param.shape:  # a vocabulary clipped to saved rows
+                self._padded.append((model_param, main_param, state, 0 if shard is None else shard.tensor.shape[0]))
+                if shard is None:
+                    continue
             for name, value in state.items():
                 if not isinstance(value, torch.Tensor):
                     value = state[name] = torch.tensor(value, dtype=torch.float32)
@@ -104,13 +113,24 @@ class PlainOptimizerState(OptimizerAdapter):
                     main = shard.replica_id == 0 and not any(shard.global_offset)
                     out[f"{key}.{name}"] = Shard(value, (), (), 0 if main else 1)
                 elif value.shape == model_param.shape:
-                    out[f"{key}.{name}"] = shard.like(value)
+                    out[f"{key}.{name}"] = _like(shard, value)
             if main_param is not model_param:  # fp32 master weights beside bf16/fp16 parameters
-                out[f"{key}.master_param"] = shard.like(main_param.data)
+                out[f"{key}.master_param"] = _like(shard, main_param.data)
         return out
 
     def load_sharded_state_dict(self, loaded: dict[str, Shard]) -> None:
-        """Nothing to copy: the shards were views of the live state, filled in place."""
+        """Nothing to copy (the shards were views of the live state, filled in place), except rows
+        past a checkpoint's vocabulary: the model's first, then moments zero and master copies from them."""
+        from .vocab import fill_state
+
+        if self.model is not None and self.model.vocab is not None:  # on every tp rank, padded here or not
+            self.model.vocab.fill_model()
+        for model_param, main_param, state, kept in self._padded:
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.shape == model_param.shape:
+                    fill_state(value, kept, model_param.data, master=False)
+            if main_param is not model_param:
+                fill_state(main_param.data, kept, model_param.data, master=True)
 
     def _params(self) -> Iterator[tuple[Any, torch.nn.Parameter, torch.nn.Parameter]]:
         """``(optimizer, model parameter, parameter the torch optimizer steps)`` for every trained parameter."""
@@ -123,6 +143,12 @@ class PlainOptimizerState(OptimizerAdapter):
             else:  # FP32Optimizer: the torch optimizer steps the model's own parameters
                 for group in opt.optimizer.param_groups:
                     yield from ((opt, p, p) for p in group["params"])
+
+
+def _like(shard: Shard, value: torch.Tensor) -> Shard:
+    """``value`` (shaped like the parameter) in ``shard``'s box: its leading rows when the shard holds fewer
+    (a vocabulary clipped to a checkpoint's rows)."""
+    return shard.like(value if value.shape == shard.tensor.shape else value[: shard.tensor.shape[0]])
 
 
 def _ensure_state(opt: Any, param: torch.nn.Parameter) -> dict[str, Any]:

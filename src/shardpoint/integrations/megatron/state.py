@@ -33,6 +33,7 @@ from shardpoint.state.sharding import Shard
 from shardpoint.state.train_state import find_param, param_shard_index
 
 from .plain_optimizer import OptimizerAdapter, PlainOptimizerState, inner_optimizers, is_distributed, is_plain, refuse
+from .vocab import VOCAB_KEYS, VocabPadding, fill_state
 
 __all__ = ["DistributedOptimizerState", "MegatronModel", "MegatronRng", "optimizer_state", "unwrap"]
 
@@ -83,13 +84,20 @@ class MegatronModel(torch.nn.Module):
     A module (not only a view) so that ``parameters()`` reaches the chunks' parameters.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module]):
+    def __init__(self, chunks: list[torch.nn.Module], vocab: VocabPadding | None = None):
+        """``vocab``: a load whose checkpoint has another padded vocabulary (see :mod:`.vocab`)."""
         super().__init__()
         self.chunks = torch.nn.ModuleList([unwrap(c) for c in chunks])
+        self.vocab = vocab
+        # a vocabulary parameter's storage -> (key, its shard clipped to the saved rows, or None: no saved row here)
+        self.resized: dict[tuple, tuple[str, Shard | None]] = {}
         self._skipped_logged = False
 
     def sharded_state_dict(self) -> dict[str, Shard]:
         shards: dict[str, Shard] = {}
+        self.resized.clear()
+        if self.vocab is not None:
+            self.vocab.reset()
         skipped = []
         for chunk in self.chunks:
             names = {_storage(t): n for n, t in [*chunk.named_parameters(), *chunk.named_buffers()] if t is not None}
@@ -115,7 +123,14 @@ class MegatronModel(torch.nn.Module):
         n = sh.prepend_axis_num
         key = _globalize(name, tuple(sh.global_offset[:n])) + suffix
         replica = 0 if _is_main(sh.replica_id) else 1
-        shards[key] = Shard(sh.data, sh.global_shape[n:], sh.global_offset[n:], replica)
+        shard = Shard(sh.data, sh.global_shape[n:], sh.global_offset[n:], replica)
+        if self.vocab is not None and key in VOCAB_KEYS and shard.global_shape[0] != self.vocab.saved_rows:
+            clipped = self.vocab.shard(key, shard)
+            self.resized[_storage(sh.data)] = (key, clipped)
+            if clipped is None:
+                return
+            shard = clipped
+        shards[key] = shard
 
     def _add_factory(self, factory: Any, names: dict, shards: dict[str, Shard]) -> None:
         """A factory (SwiGLU's [gate; up] split) stores its pieces under ``<param>_w``, ``<param>_v`` ..."""
@@ -125,17 +140,22 @@ class MegatronModel(torch.nn.Module):
             self._add(piece, name, shards, suffix)
 
 
-def optimizer_state(optimizer: Any) -> DistributedOptimizerState | PlainOptimizerState:
+def optimizer_state(
+    optimizer: Any, model: MegatronModel | None = None
+) -> DistributedOptimizerState | PlainOptimizerState:
     """shardpoint's view of a Megatron optimizer: distributed (``--use-distributed-optimizer``) or not.
+
+    ``model``: the view of the model whose shards the state follows (its vocabulary
+    tensors may be clipped to a checkpoint's rows, see :mod:`.vocab`).
 
     Raises:
         UnsupportedOptimizerError: another optimizer, or a chain mixing both kinds (before any write).
     """
     inner = inner_optimizers(optimizer)
     if all(is_distributed(opt) for opt in inner):
-        return DistributedOptimizerState(optimizer)
+        return DistributedOptimizerState(optimizer, model)
     if all(is_plain(opt) for opt in inner):
-        return PlainOptimizerState(optimizer)
+        return PlainOptimizerState(optimizer, model)
     raise refuse(optimizer)
 
 
@@ -146,18 +166,20 @@ class DistributedOptimizerState(OptimizerAdapter):
     two calls :func:`~shardpoint.state.train_state.collect` and the load pipeline make.
     """
 
-    def __init__(self, optimizer: Any):
+    def __init__(self, optimizer: Any, model: MegatronModel | None = None):
         self.optimizer = optimizer
+        self.model = model
         self.inner = inner_optimizers(optimizer)
         if not all(is_distributed(opt) for opt in self.inner):
             raise refuse(optimizer)
         self._targets: list[tuple[Any, torch.nn.Parameter, dict[str, torch.Tensor], Any]] = []
+        self._padded: list[tuple[torch.nn.Parameter, dict[str, torch.Tensor], int]] = []  # rows past the saved
         self._steps_loaded: dict[str, Shard] = {}
 
     def sharded_state_dict(self, model_shards: dict[str, Shard]) -> dict[str, Shard]:
-        index = param_shard_index(model_shards)
+        index = {**param_shard_index(model_shards), **(self.model.resized if self.model is not None else {})}
         out: dict[str, Shard] = {}
-        self._targets = []
+        self._targets, self._padded = [], []
         for opt in self.inner:
             self._ensure_state(opt)
             out.update(self._gathered(opt, index))
@@ -188,8 +210,14 @@ class DistributedOptimizerState(OptimizerAdapter):
         for p, start, rng in views:
             key, shard = find_param(index, p)
             full = {n: flat[n][start : start + p.numel()].view(p.shape) for n in names}
+            kept = p.shape[0] if shard is None or shard.tensor.shape == p.shape else shard.tensor.shape[0]
+            if shard is None or kept < p.shape[0]:  # a vocabulary clipped to a checkpoint's rows
+                self._padded.append((p, full, 0 if shard is None else kept))
             for n, t in full.items():
-                out[f"{key}.{n}"] = Shard(t, shard.global_shape, shard.global_offset, dp_rank or shard.replica_id)
+                if shard is not None:
+                    out[f"{key}.{n}"] = Shard(
+                        t[:kept], shard.global_shape, shard.global_offset, dp_rank or shard.replica_id
+                    )
             if rng is not None:
                 self._targets.append((opt, p, full, rng))
         out.update(self._steps(opt, index, views, dp_rank))
@@ -204,6 +232,8 @@ class DistributedOptimizerState(OptimizerAdapter):
         out = {}
         for p, _, _ in views:
             key, shard = find_param(index, p)
+            if shard is None:
+                continue
             main = dp_rank == 0 and shard.replica_id == 0 and not any(shard.global_offset)
             out[f"{key}.step"] = Shard(scalar.clone(), (), (), 0 if main else 1)
         self._steps_loaded = out
@@ -228,7 +258,16 @@ class DistributedOptimizerState(OptimizerAdapter):
         opt._init_optimizer_states_with_dummy_values()
 
     def load_sharded_state_dict(self, loaded: dict[str, Shard]) -> None:
-        """Copy each rank's range of the loaded whole pieces back into the optimizer."""
+        """Copy each rank's range of the loaded whole pieces back into the optimizer.
+
+        Rows past a checkpoint's vocabulary are filled first: the model's (see
+        :meth:`.vocab.VocabPadding.fill_model`), then moments zero and master copies from them.
+        """
+        if self.model is not None and self.model.vocab is not None:  # on every tp rank, padded here or not
+            self.model.vocab.fill_model()
+        for p, full, kept in self._padded:
+            for n, t in full.items():
+                fill_state(t, kept, p.data, master=n == "master_param")
         step = next(iter(self._steps_loaded.values()), None)
         for opt, p, full, rng in self._targets:
             tensors = opt._get_main_param_and_optimizer_states(p)
