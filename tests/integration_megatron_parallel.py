@@ -19,6 +19,35 @@ from tests import integration_megatron_worker as worker
 from tests.integration_megatron_flags import differ, finish, session
 
 
+class _ExtraState:
+    """``get_extra_state`` / ``set_extra_state`` as Transformer Engine's modules have them (their FP8
+    metadata): megatron-core's ``sharded_state_dict`` then gives a ``ShardedObject`` per layer."""
+
+    def get_extra_state(self) -> Any:
+        return getattr(self, "sp_extra", {"steps": 0, "tag": "fresh"})
+
+    def set_extra_state(self, state: Any) -> None:
+        self.sp_extra = state
+
+
+def with_extra_state(job: worker.Job) -> worker.Job:
+    """Each layer's linear_qkv gets an extra state (a mixin on its class, as without TE none has one)."""
+    for module in job.model[0].modules():
+        qkv = getattr(getattr(module, "self_attention", None), "linear_qkv", None)
+        if qkv is not None:
+            qkv.__class__ = type("WithExtraState", (_ExtraState, type(qkv)), {})
+    return job
+
+
+def extra_states(job: worker.Job) -> dict[int, Any]:
+    """Each layer's extra state by its global layer number (TransformerLayer.layer_number is 1-based)."""
+    return {
+        module.layer_number - 1: module.self_attention.linear_qkv.get_extra_state()
+        for module in job.model[0].modules()
+        if hasattr(module, "layer_number") and hasattr(module, "self_attention")
+    }
+
+
 def train_step(job: worker.Job, step: int, vocab: int = worker.VOCAB) -> float:
     """One step through megatron-core's own schedule (1F1B across the stages at pp>1)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -74,39 +103,51 @@ def full_state(job: worker.Job) -> dict[str, torch.Tensor]:
 
 def resume(root: str, **shape: Any) -> dict[str, Any]:
     """Train 2 steps, save, train 1; a fresh job (other seed) loads and redoes it: all bit-equal?"""
-    job = worker.build(**shape)
+    job = with_extra_state(worker.build(**shape))
     job.args = worker.args(root)
     s = session(job)
     for step in (1, 2):
         train_step(job, step)
+    for layer in extra_states(job):  # what TE would have after 2 steps
+        module_state = {"steps": 2, "layer": layer, "amax": torch.full((3,), float(layer) + 0.5), "tag": "trained"}
+        _set_extra(job, layer, module_state)
+    objects = extra_states(job)
     saved = full_state(job)
     s.save_checkpoint(2, job.model, job.optimizer, job.scheduler, 9.0)
     first = train_step(job, 3)
     end = full_state(job)
     finish(s)
-    again = worker.build(seed=99, **shape)
+    again = with_extra_state(worker.build(seed=99, **shape))
     again.args = worker.args(root)
     s = session(again)
     returned = s.load_checkpoint(again.model, again.optimizer, again.scheduler)
     loaded = full_state(again)
+    objects_loaded = extra_states(again)
     second = train_step(again, 3)
     finish(s)
     return {
         "returned": returned, "keys": sorted(saved), "loaded_differs": differ(saved, loaded),
         "losses": (first, second), "end_differs": differ(end, full_state(again)), "saved": saved,
+        "objects": objects, "objects_loaded": objects_loaded,
     }  # fmt: skip
+
+
+def _set_extra(job: worker.Job, layer: int, state: Any) -> None:
+    for module in job.model[0].modules():
+        if getattr(module, "layer_number", None) == layer + 1 and hasattr(module, "self_attention"):
+            module.self_attention.linear_qkv.set_extra_state(state)
 
 
 def reshard(root: str, **shape: Any) -> dict[str, Any]:
     """Load what another layout saved; every tensor at full size, and a step trained on."""
-    job = worker.build(**shape)
+    job = with_extra_state(worker.build(**shape))
     job.args = worker.args(root)
     s = session(job)
     returned = s.load_checkpoint(job.model, job.optimizer, job.scheduler)
     state = full_state(job)
     train_step(job, 3)
     finish(s)
-    return {"returned": returned, "state": state}
+    return {"returned": returned, "state": state, "objects": extra_states(job)}
 
 
 # 50 tokens padded to multiples of 8 x tp: 64 rows at tp=2, 56 at tp=1 (the true vocabulary is not recorded)

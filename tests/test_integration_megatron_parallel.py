@@ -111,3 +111,15 @@ def test_a_trim_that_would_drop_real_tokens_is_refused_by_name(phases):
         kind, message = r["vocab"]["refused"]
         assert kind == "PaddedVocabularyError"
         assert "embedding.word_embeddings.weight" in message and "rows 40..63" in message and "tokenizer" in message
+
+
+def test_extra_state_sharded_objects_resume_per_stage_and_at_pp1(phases):
+    _, results = phases
+    everything = {}
+    for r in results:
+        saved = r["pp2"]["objects"]  # each stage's layers, set to what TE would hold after training
+        assert saved and all(v["tag"] == "trained" for v in saved.values())
+        assert repr(r["pp2"]["objects_loaded"]) == repr(saved)  # a fresh job (built "fresh") got them back
+        everything.update(saved)
+    for r in results:  # pp=1: every rank holds both layers, each from the stage that saved it
+        assert repr(r["pp1_dp2"]["objects"]) == repr(dict(sorted(everything.items())))

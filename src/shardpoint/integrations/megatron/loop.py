@@ -57,7 +57,8 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.parallel.topology import Topology
 from shardpoint.state.train_state import TrainState
 
-from .state import MegatronModel, MegatronRng, optimizer_state
+from .objects import OBJECTS_FILE, encode, restore
+from .state import MegatronModel, MegatronRng, optimizer_state, unwrap
 from .vocab import VOCAB_ARGS, VocabPadding, padding_for, saved_vocab, vocab_config
 
 __all__ = ["ARGS_FILE", "HONOURED", "NOT_APPLICABLE", "NativeCheckpointError", "Session"]
@@ -277,6 +278,9 @@ class Session:
         if non_persistent_ckpt and ckpt.local_tier is not None:
             ckpt.local_tier.save(iteration, state)
             return
+        objects = encode(_chunks(model))  # every rank: the modules' extra state, gathered on rank 0
+        if files is not None and objects is not None:
+            files[OBJECTS_FILE] = objects
         if non_persistent_ckpt:
             root = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
             ckpt = self.checkpointer(args, root, keep_last=1)
@@ -322,6 +326,8 @@ class Session:
             )
             if vocab is not None and result is not None:
                 vocab.fill_model()  # when the optimizer was not loaded (it fills first otherwise)
+            if result is not None and os.path.isdir(result.path):
+                restore(_chunks(ddp_model), result.path, strict=strictness(args) in (True, "missing"))
         self.last_load = result
         if result is None:
             if getattr(args, "exit_on_missing_checkpoint", False):
@@ -461,6 +467,11 @@ def _training_module(name: str) -> Any:
         return importlib.import_module(f"megatron.training.{name}")
     except ImportError:
         return None
+
+
+def _chunks(model: Any) -> list[Any]:
+    """The model chunks inside their DDP / Float16Module wrappers."""
+    return [unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
 
 
 def _vocab_padding(load_dir: str, args: argparse.Namespace) -> VocabPadding | None:

@@ -7,7 +7,7 @@
   ``decoder.layers.<global layer>.self_attention.linear_qkv.weight``. These are the names
   ``shardpoint convert --from megatron`` gives a Megatron checkpoint, so a live
   checkpoint, an imported one and the CLI agree. ``ShardedObject`` values (Transformer
-  Engine's ``_extra_state``, which the local layer spec leaves empty) are not stored.
+  Engine's ``_extra_state``) are stored as bytes beside the tensors (:mod:`.objects`).
 * The distributed optimizer: each data-parallel rank owns a contiguous range of each
   parameter's flattened gradient buffer, which is not a box of the parameter. The
   ranges are summed over the optimizer's data-parallel group into whole tensor-parallel
@@ -110,7 +110,7 @@ class MegatronModel(torch.nn.Module):
                     self._add(value, value.key, shards)  # Megatron's global key (a tied output layer: the embedding's)
                 elif kind == "ShardedTensor":  # a stacked layer's piece: its parameter's name, numbered globally
                     self._add(value, names.get(_storage(value.data), value.key), shards)
-                else:
+                elif kind != "ShardedObject":  # objects: see .objects
                     skipped.append(getattr(value, "key", kind))
         if skipped and not self._skipped_logged:
             self._skipped_logged = True
