@@ -100,8 +100,10 @@ def save_both_ways(rank: int, world: int, stock_dir: str, ours_dir: str, stage: 
     train(eng, 3)
     client = neox_client_state(3, rank)
     eng.save_checkpoint(stock_dir, tag="global_step3", client_state=client)
+    eng.save_16bit_model(stock_dir, "model.pt")  # one file beside the tags, through the checkpoint engine
     use(eng)
     eng.save_checkpoint(ours_dir, tag="global_step3", client_state=client)
+    eng.save_16bit_model(ours_dir, "model.pt")
     return {"params": params(eng), "losses": train(eng, 2, 3)}  # the uninterrupted run goes on
 
 

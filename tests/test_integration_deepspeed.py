@@ -76,7 +76,10 @@ def test_engine_mode_files_are_deepspeeds_own(both):
     marker = json.loads((ours / TAG / "shardpoint.json").read_text())
     assert marker["format"] == "deepspeed" and marker["iteration"] == 3
     assert set(marker["files"]) == set(theirs)
-    assert not [p.name for p in ours.iterdir() if p.name.startswith(".shardpoint-tmp")]
+    assert not [p.name for p in ours.iterdir() if p.name.startswith(".shardpoint-")]
+    # save_16bit_model's file beside the tags: DeepSpeed's own bytes, moved into place whole, no tag for it
+    assert (ours / "model.pt").read_bytes() == (stock / "model.pt").read_bytes()
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in stock.iterdir())  # no other tag
 
 
 @pytest.fixture(scope="module")

@@ -53,12 +53,14 @@ except ModuleNotFoundError as exc:
 
 from shardpoint.integrations.deepspeed.files import StagedTag, check_tag, read_checked, tag_iteration
 from shardpoint.integrations.deepspeed.pending import PendingSaves, SaveRequest
+from shardpoint.integrations.deepspeed.whole_file import WholeFileEngine
 
 __all__ = ["EngineOptions", "ShardpointCheckpointEngine", "use"]
 
 log = logging.getLogger(__name__)
 _WRAPPED = "_shardpoint_original_save_checkpoint"
 _WRAPPED_LOAD = "_shardpoint_original_load_checkpoint"
+_WRAPPED_16BIT = "_shardpoint_original_save_16bit_model"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,7 +236,33 @@ def use(engine: Any, **options: Any) -> ShardpointCheckpointEngine:
     engine.save_checkpoint = save_checkpoint
     setattr(engine, _WRAPPED, original)
     _wrap_load(engine)
+    _wrap_16bit(engine)
     return checkpoint_engine
+
+
+def _wrap_16bit(engine: Any) -> None:
+    """``save_16bit_model`` writes one file outside any tag: through a :class:`WholeFileEngine` for that call.
+
+    The tag commit would refuse a path outside the tag (and DeepSpeed's ``create`` for it
+    would start an empty ``global_step<N>``); the file is replaced atomically instead.
+    """
+    original = getattr(engine, _WRAPPED_16BIT, None) or getattr(engine, "save_16bit_model", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def save_16bit_model(*args: Any, **kw: Any) -> Any:
+        current = engine.checkpoint_engine
+        if not isinstance(current, ShardpointCheckpointEngine):
+            return original(*args, **kw)
+        engine.checkpoint_engine = WholeFileEngine(current.zipfile_serialization)
+        try:
+            return original(*args, **kw)
+        finally:
+            engine.checkpoint_engine = current
+
+    engine.save_16bit_model = save_16bit_model
+    setattr(engine, _WRAPPED_16BIT, original)
 
 
 def _wrap_load(engine: Any) -> None:
