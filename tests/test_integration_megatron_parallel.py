@@ -123,3 +123,37 @@ def test_extra_state_sharded_objects_resume_per_stage_and_at_pp1(phases):
         everything.update(saved)
     for r in results:  # pp=1: every rank holds both layers, each from the stage that saved it
         assert repr(r["pp1_dp2"]["objects"]) == repr(dict(sorted(everything.items())))
+
+
+def test_a_crafted_extra_state_is_refused_by_name_and_never_run(phases, tmp_path):
+    import io
+    import json
+    import os
+    import shutil
+
+    import xxhash
+
+    from shardpoint.errors import UnsafeCheckpointError
+    from shardpoint.integrations.megatron.objects import OBJECTS_FILE, saved_objects
+
+    root, _ = phases
+    checkpoint = tmp_path / "crafted"
+    shutil.copytree(f"{root}/pp/iter_0000002", checkpoint)
+    table = saved_objects(str(checkpoint))
+    assert table["decoder.layers.self_attention.linear_qkv._extra_state/shard_1_2"]["layer"] == 1
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path}/ran",))
+
+    inner, outer = io.BytesIO(), io.BytesIO()
+    torch.save(Payload(), inner)
+    torch.save({"decoder.layers.self_attention.linear_qkv._extra_state/shard_1_2": inner.getvalue()}, outer)
+    (checkpoint / OBJECTS_FILE).write_bytes(outer.getvalue())
+    marker = json.loads((checkpoint / "shardpoint.json").read_text())  # resealed: only the unpickler can refuse it
+    raw = outer.getvalue()
+    marker["files"][OBJECTS_FILE] = {"size": len(raw), "xxh3_64": xxhash.xxh3_64(raw).hexdigest()}
+    (checkpoint / "shardpoint.json").write_text(json.dumps(marker))
+    with pytest.raises(UnsafeCheckpointError, match="linear_qkv._extra_state/shard_1_2"):
+        saved_objects(str(checkpoint))
+    assert not (tmp_path / "ran").exists()

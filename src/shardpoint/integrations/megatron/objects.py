@@ -29,7 +29,7 @@ from shardpoint.storage.safe_io import safe_torch_load
 
 from .checked_file import read_checked
 
-__all__ = ["OBJECTS_FILE", "encode", "restore"]
+__all__ = ["OBJECTS_FILE", "encode", "restore", "saved_objects"]
 
 log = logging.getLogger(__name__)
 
@@ -75,26 +75,41 @@ def encode(chunks: list[torch.nn.Module]) -> bytes | None:
     return buffer.getvalue()
 
 
+def saved_objects(checkpoint: str) -> dict[str, Any] | None:
+    """The objects saved with ``checkpoint`` by Megatron's unique key; None when it has no table.
+
+    Both the table and each object are unpickled weights-only (tensors, numbers, strings
+    and containers of them).
+
+    Raises:
+        CorruptCheckpointError: the file differs from what was saved (size or checksum), or is no table.
+        UnsafeCheckpointError: it holds a class weights-only unpickling refuses (named with its key).
+    """
+    path = os.path.join(checkpoint, OBJECTS_FILE)
+    raw = read_checked(checkpoint, OBJECTS_FILE, "restoring the modules' extra state (ShardedObject)")
+    if raw is None:
+        return None
+    table = safe_torch_load(io.BytesIO(raw), name=path)
+    if not isinstance(table, dict) or not all(isinstance(v, bytes) for v in table.values()):
+        raise CorruptCheckpointError(f"{path} is not a table of serialised objects; the file is damaged")
+    return {key: safe_torch_load(io.BytesIO(value), name=f"{path}: {key}") for key, value in table.items()}
+
+
 def restore(chunks: list[torch.nn.Module], checkpoint: str, strict: bool) -> int:
     """Give each module its saved object (``set_extra_state``); returns how many were restored.
 
     Raises:
-        CorruptCheckpointError: the file differs from what was saved (size or checksum).
-        UnsafeCheckpointError: it holds a class weights-only unpickling refuses.
+        CorruptCheckpointError, UnsafeCheckpointError: see :func:`saved_objects`.
         MissingKeysError: ``strict`` and an object this job asks for is not in the saved table
             (a checkpoint without the table, imported or older, leaves every module as built).
     """
     wanted = sharded_objects(chunks)
     if not wanted:
         return 0
-    path = os.path.join(checkpoint, OBJECTS_FILE)
-    raw = read_checked(checkpoint, OBJECTS_FILE, "restoring the modules' extra state (ShardedObject)")
-    if raw is None:  # imported by `convert --from megatron`, or saved before objects were stored: kept as built
+    saved = saved_objects(checkpoint)
+    if saved is None:  # imported by `convert --from megatron`, or saved before objects were stored: kept as built
         log.info("megatron: %s holds no extra state (ShardedObject); the modules keep theirs", checkpoint)
         return 0
-    saved = safe_torch_load(io.BytesIO(raw), name=path)
-    if not isinstance(saved, dict) or not all(isinstance(v, bytes) for v in saved.values()):
-        raise CorruptCheckpointError(f"{path} is not a table of serialised objects; the file is damaged")
     missing = sorted(obj.unique_key for _, _, obj in wanted if obj.unique_key not in saved)
     if missing and strict:  # named as a strict load names tensors (--dist-ckpt-strictness log_all skips them)
         raise MissingKeysError(checkpoint, [f"model.{k}" for k in missing], [])
@@ -103,8 +118,7 @@ def restore(chunks: list[torch.nn.Module], checkpoint: str, strict: bool) -> int
     values: dict[int, tuple[torch.nn.Module, dict[str, Any]]] = {}
     for chunk, local, obj in wanted:
         if obj.unique_key in saved:
-            value = safe_torch_load(io.BytesIO(saved[obj.unique_key]), name=f"{path}: {obj.unique_key}")
-            values.setdefault(id(chunk), (chunk, {}))[1][local] = value
+            values.setdefault(id(chunk), (chunk, {}))[1][local] = saved[obj.unique_key]
     for chunk, chunk_values in values.values():  # one call per chunk: megatron-core's linear layers give
         chunk.load_state_dict(chunk_values, strict=False)  # an extra state absent from the dict None
     return len(wanted) - len(missing)
