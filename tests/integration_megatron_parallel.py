@@ -205,3 +205,20 @@ def run(rank: int, world: int, root: str) -> dict[str, Any]:
         out[name] = phase()
         out["seconds"][name] = round(time.perf_counter() - start, 2)
     return out
+
+
+def run_full(rank: int, world: int, root: str) -> dict[str, Any]:
+    """4 ranks (``SHARDPOINT_MEGATRON_FULL=1``): tp=2 pp=2, and MoE at pp=2 ep=2 dp=2, each resumed and resharded
+    (MoE with tp > 1 needs sequence parallelism, which megatron-core's torch LayerNorm refuses on CPU)."""
+    out: dict[str, Any] = {"seconds": {}}
+    phases = {
+        "tp2pp2": lambda: resume(f"{root}/tp2pp2", tp=2, pp=2),
+        "tp1pp2dp2": lambda: reshard(f"{root}/tp2pp2", tp=1, pp=2),
+        "pp2ep2": lambda: resume(f"{root}/moe", tp=1, pp=2, experts=4, ep=2),
+        "pp1ep4": lambda: reshard(f"{root}/moe", tp=1, experts=4, ep=4),
+    }
+    for name, phase in phases.items():
+        start = time.perf_counter()
+        out[name] = phase()
+        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    return out

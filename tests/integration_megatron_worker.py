@@ -118,6 +118,8 @@ def build(
 
 
 def _moe(experts: int, ep: int) -> dict[str, Any]:
+    """MoE at tp=1 only: with tp > 1 megatron-core requires sequence parallelism, which its torch LayerNorm
+    (no Apex or Transformer Engine on CPU) refuses."""
     if not experts:
         return {}
     return dict(

@@ -6,6 +6,8 @@ CPU ranks, resumed bit-exact and resharded (pp=1 dp=2, ep=1) to what the offline
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -157,3 +159,15 @@ def test_a_crafted_extra_state_is_refused_by_name_and_never_run(phases, tmp_path
     with pytest.raises(UnsafeCheckpointError, match="linear_qkv._extra_state/shard_1_2"):
         saved_objects(str(checkpoint))
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.skipif(not os.environ.get("SHARDPOINT_MEGATRON_FULL"), reason="4 ranks: SHARDPOINT_MEGATRON_FULL=1")
+def test_full_tp2_pp2_and_pp2_ep2_on_4_ranks(tmp_path):
+    root = str(tmp_path)
+    results = launch(parallel.run_full, 4, root, backend="gloo", timeout=600)
+    print("seconds per phase:", results[0]["seconds"])
+    for r in results:
+        _bit_exact(r["tp2pp2"])
+        _bit_exact(r["pp2ep2"])
+    _equals_offline(f"{root}/tp2pp2", results, "tp2pp2", "tp1pp2dp2")
+    _equals_offline(f"{root}/moe", results, "pp2ep2", "pp1ep4")
