@@ -54,16 +54,17 @@ class PaddedVocabularyError(ShapeMismatchError):
 
 
 def true_vocab(args: argparse.Namespace) -> int | None:
-    """The unpadded vocabulary: ``--vocab-size``, else the tokenizer Megatron-LM built, else unknown."""
-    if getattr(args, "vocab_size", None):
-        return int(args.vocab_size)
+    """The unpadded vocabulary: the tokenizer Megatron-LM built (its ``NullTokenizer`` adds an end-of-document
+    token to ``--vocab-size``), else ``--vocab-size``, else unknown."""
     try:
         from megatron.training import global_vars
 
         tokenizer = getattr(global_vars, "_GLOBAL_TOKENIZER", None)
-        return int(tokenizer.vocab_size) if tokenizer is not None else None
+        if tokenizer is not None:
+            return int(tokenizer.vocab_size)
     except (ImportError, AttributeError, NotImplementedError, TypeError):
-        return None
+        pass
+    return int(args.vocab_size) if getattr(args, "vocab_size", None) else None
 
 
 def vocab_config(args: argparse.Namespace) -> dict[str, Any]:
