@@ -121,37 +121,90 @@ def retain(root: str) -> dict[str, Any]:
     return {"kept": sorted(n for n in os.listdir(root) if n.startswith("iter_"))}
 
 
+def rerun_machine(pending_at: int | None) -> dict[str, Any] | None:
+    """A fresh rerun state machine (``--rerun-mode validate_results``), with a rerun pending at ``pending_at``
+    (as Megatron has it when a result failed validation twice: its checkpoint is then saved); None: disabled.
+    Returns what the machine holds now."""
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.destroy_rerun_state_machine()
+    mode = rsm.RerunMode.DISABLED if pending_at is None else rsm.RerunMode.VALIDATE_RESULTS
+    rsm.initialize_rerun_state_machine(mode=mode)
+    machine = rsm.get_rerun_state_machine()
+    if pending_at:
+        machine.state = rsm.RerunState.WILL_RERUN_FROM_CHECKPOINT
+        machine.current_iteration = pending_at
+        machine.failed_validation_call = rsm.Call(rsm.Caller("loss is NaN", dist.get_rank()), pending_at)
+        machine.initial_result = torch.tensor(pending_at + 0.5)
+        machine.suspicious_node, machine.max_values = f"node{dist.get_rank()}", {"grad norm": float(pending_at)}
+    return _machine_state(machine)
+
+
+def _machine_state(machine: Any) -> dict[str, Any]:
+    result = machine.initial_result
+    return {
+        "state": machine.state.name, "iteration": machine.current_iteration,
+        "call": machine.failed_validation_call, "result": None if result is None else float(result),
+        "node": machine.suspicious_node, "max_values": machine.max_values,
+    }  # fmt: skip
+
+
+def _listed(job: worker.Job) -> dict[int, Any]:
+    """Each layer's extra state, its tensors as lists (compared with ==)."""
+    from tests.integration_megatron_parallel import extra_states
+
+    def plain(v: Any) -> Any:
+        return v.tolist() if isinstance(v, torch.Tensor) else v
+
+    return {layer: {k: plain(v) for k, v in state.items()} for layer, state in extra_states(job).items()}
+
+
 def local_tier(root: str) -> dict[str, Any]:
-    """--non-persistent-ckpt-type local with --replication: lose node 0's copy (replica), then both (persistent)."""
+    """--non-persistent-ckpt-type local with --replication: lose node 0's copy (replica), then both (persistent).
+
+    Each save carries its own extra state (Transformer Engine's ``_extra_state``) and a pending rerun
+    of the rerun state machine; each resume must bring back those of the checkpoint it loaded."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    from tests.integration_megatron_parallel import _set_extra, extra_states, with_extra_state
+
     rank = dist.get_rank()
     flags = dict(
         non_persistent_save_interval=2, non_persistent_ckpt_type="local", replication=True, replication_factor=2,
         non_persistent_local_ckpt_dir=f"{root}/node{rank}",
     )  # fmt: skip
-    job = worker.build(1)
+    job = with_extra_state(worker.build(1))
     job.args = worker.args(f"{root}/persistent", **flags)
     s = session(job)
-    train(job, (1, 2))
-    at2 = worker.full_state(job)
-    s.save_checkpoint(2, job.model, job.optimizer, job.scheduler, 0.0)
-    train(job, (3, 4))
-    at4 = worker.full_state(job)
-    s.save_checkpoint(4, job.model, job.optimizer, job.scheduler, 0.0, non_persistent_ckpt=True)
+    states: dict[int, Any] = {}
+    objects: dict[int, Any] = {}
+    rerun: dict[int, Any] = {}
+    for it, kwargs in ((2, {}), (4, {"non_persistent_ckpt": True})):
+        train(job, (it - 1, it))
+        for layer in extra_states(job):
+            _set_extra(job, layer, {"saved_at": it, "layer": layer, "amax": torch.full((2,), it + layer + 0.25)})
+        states[it], objects[it], rerun[it] = worker.full_state(job), _listed(job), rerun_machine(pending_at=it)
+        s.save_checkpoint(it, job.model, job.optimizer, job.scheduler, 0.0, **kwargs)
+        rerun_machine(None)  # training goes on without the pending rerun
     finish(s)
     out = {"node_dirs": sorted(os.listdir(f"{root}/node{rank}"))}
-    for lost, expected, name in (((0,), at4, "node0_lost"), ((0, 1), at2, "both_lost")):
+    for lost, it, name in (((0,), 4, "node0_lost"), ((0, 1), 2, "both_lost")):
         if rank in lost:
             shutil.rmtree(f"{root}/node{rank}")
         dist.barrier()
-        again = worker.build(1, seed=99)
+        again = with_extra_state(worker.build(1, seed=99))
         again.args = worker.args(f"{root}/persistent", **flags)
+        rerun_machine(pending_at=0)  # --rerun-mode validate_results, nothing pending
         s = session(again)
         returned = s.load_checkpoint(again.model, again.optimizer, again.scheduler)
         out[name] = {
             "returned": returned,
             "tier": s.last_load.tier,
-            "differs": differ(expected, worker.full_state(again)),
+            "differs": differ(states[it], worker.full_state(again)),
+            "objects": (objects[it], _listed(again)),
+            "rerun": (rerun[it], _machine_state(get_rerun_state_machine())),
         }
+        rerun_machine(None)
         finish(s)
     return out
 

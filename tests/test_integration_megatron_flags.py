@@ -83,6 +83,19 @@ def test_non_persistent_local_checkpoint_survives_a_lost_node_then_falls_back(ph
         fallback = local["both_lost"]
         assert fallback["returned"][0] == 2 and fallback["tier"] == "persistent"
         assert not fallback["differs"], fallback["differs"][:5]
+        for resumed, it in ((replica, 4), (fallback, 2)):  # the extra state of the checkpoint loaded, any tier
+            saved, loaded = resumed["objects"]
+            assert saved == loaded and {v.get("saved_at") for v in loaded.values()} == {it}, (saved, loaded)
+
+
+def test_rerun_state_machine_pending_rerun_is_restored_from_either_tier(phases):
+    """Megatron saves the machine's state only while a rerun is pending, and restores it at the same layout."""
+    for rank, r in enumerate(phases):
+        for name, it in (("node0_lost", 4), ("both_lost", 2)):
+            saved, loaded = r["local"][name]["rerun"]
+            assert saved["state"] == "WILL_RERUN_FROM_CHECKPOINT" and saved["node"] == f"node{rank}"
+            assert loaded == saved and loaded["iteration"] == it, (saved, loaded)
+            assert loaded["call"] == ((("loss is NaN", rank), it))
 
 
 def test_dist_ckpt_strictness(phases):

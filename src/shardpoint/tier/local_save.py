@@ -36,13 +36,13 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CheckpointError, CorruptCheckpointError
-from shardpoint.formats.base import FormatContext
+from shardpoint.formats.base import FormatContext, write_file
 from shardpoint.lifecycle import faults
 from shardpoint.lifecycle.async_save import BackgroundWrite
 from shardpoint.lifecycle.staging import HostStaging
@@ -50,7 +50,7 @@ from shardpoint.parallel import comm
 from shardpoint.parallel.topology import Topology
 from shardpoint.state.train_state import FlatState
 from shardpoint.storage.base import LocalStorage
-from shardpoint.tier.marker import LocalMarker, mark_copy, publish_copy, tmp_copy_dir
+from shardpoint.tier.marker import LOCAL_MARKER, LocalMarker, mark_copy, publish_copy, tmp_copy_dir
 from shardpoint.tier.placement import Nodes, held_by
 from shardpoint.tier.replicate import Transfer, exchange
 from shardpoint.tier.retention import prune_node
@@ -119,17 +119,20 @@ class LocalSaver:
     def busy(self) -> bool:
         return self._pending is not None
 
-    def start(self, iteration: int, flat: FlatState) -> None:
+    def start(self, iteration: int, flat: FlatState, files: Mapping[str, bytes] | None = None) -> None:
         """Every rank: snapshot ``flat`` and write, replicate and mark it in the background.
 
         The previous local save is committed first (waiting for it if it is still
-        running: the slab is reused).
+        running: the slab is reused). ``files``: this rank's small files (``{name: bytes}``,
+        an integration's own), written beside ``state.pt`` and, listed in the copy's
+        marker, replicated, verified and fetched with it.
         """
         start = time.perf_counter()
         self.poll(blocking=True)
         staged = self.staging.stage(flat, everything=True)
         pending = _Pending(iteration)
-        pending.writer = BackgroundWrite(lambda: self._write_and_replicate(pending, staged)).start()
+        extra = dict(files or {})
+        pending.writer = BackgroundWrite(lambda: self._write_and_replicate(pending, staged, extra)).start()
         self._pending = pending
         self.times.last_stall_seconds = time.perf_counter() - start
 
@@ -166,7 +169,9 @@ class LocalSaver:
         return True
 
     # ----------------------------------------------------------- background
-    def _write_and_replicate(self, pending: _Pending, flat: FlatState) -> list[tuple[str, int]]:
+    def _write_and_replicate(
+        self, pending: _Pending, flat: FlatState, files: Mapping[str, bytes]
+    ) -> list[tuple[str, int]]:
         """Background thread: own file, replicas, markers; returns the (directory, owner) pairs to publish."""
         me, iteration = comm.rank(), pending.iteration
         began = time.perf_counter()
@@ -175,6 +180,10 @@ class LocalSaver:
             self._new_tmp(pending, own_tmp)
             ctx = FormatContext(self.storage, own_tmp, self.topology)
             records = self.format.save(ctx, flat)
+            for name, data in files.items():
+                if name in records or name == LOCAL_MARKER:
+                    raise ValueError(f"local-tier save: {name!r} is one of the tier's own files; name it otherwise")
+                records[name] = write_file(data, self.storage.join(own_tmp, name), self.storage)
             faults.hit("local-after-data", me)
         except Exception as exc:  # noqa: BLE001 - every rank must still reach the all-gather below
             error = exc

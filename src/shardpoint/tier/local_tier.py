@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,9 +151,12 @@ class LocalTier:
     def is_due(self, iteration: int) -> bool:
         return self.policy.should_save(iteration, 0.0, 0.0)
 
-    def save(self, iteration: int, state: TrainState) -> None:
-        """Every rank: snapshot ``state`` into host memory and write, replicate and commit it in the background."""
-        self.saver.start(iteration, collect(state, iteration=iteration))
+    def save(self, iteration: int, state: TrainState, files: Mapping[str, bytes] | None = None) -> None:
+        """Every rank: snapshot ``state`` into host memory and write, replicate and commit it in the background.
+
+        ``files``: this rank's small files, kept, replicated and fetched with its copy.
+        """
+        self.saver.start(iteration, collect(state, iteration=iteration), files)
         log.debug("local-tier save %d: training resumed after %.3f s", iteration, self.times.last_stall_seconds)
 
     def poll(self, blocking: bool) -> bool:

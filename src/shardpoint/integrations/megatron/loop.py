@@ -57,7 +57,8 @@ from shardpoint.errors import CheckpointError, CorruptCheckpointError
 from shardpoint.parallel.topology import Topology
 from shardpoint.state.train_state import TrainState
 
-from .objects import OBJECTS_FILE, encode, restore
+from .objects import OBJECTS_FILE, encode, encode_rank, restore, saved_objects
+from .rerun import rerun_state, restore_rerun_state
 from .state import MegatronModel, MegatronRng, optimizer_state, unwrap
 from .vocab import VOCAB_ARGS, VocabPadding, padding_for, saved_vocab, vocab_config
 
@@ -275,10 +276,12 @@ class Session:
         # rank 0's args (other ranks differ in rank and local_rank): one writer per file
         files = {ARGS_FILE: json.dumps(_args_json(args), indent=1).encode()} if _rank() == 0 else None
         ckpt = self.main(args)
-        if non_persistent_ckpt and ckpt.local_tier is not None:
-            ckpt.local_tier.save(iteration, state)
+        rerun = rerun_state(train_data_iterator)  # {} unless a rerun is pending (as Megatron's)
+        if non_persistent_ckpt and ckpt.local_tier is not None:  # this rank's objects, in its own copy
+            own = encode_rank(_chunks(model), rerun)
+            ckpt.local_tier.save(iteration, state, files={OBJECTS_FILE: own} if own is not None else None)
             return
-        objects = encode(_chunks(model))  # every rank: the modules' extra state, gathered on rank 0
+        objects = encode(_chunks(model), rerun)  # every rank: extra and rerun state, gathered on rank 0
         if files is not None and objects is not None:
             files[OBJECTS_FILE] = objects
         if non_persistent_ckpt:
@@ -326,8 +329,8 @@ class Session:
             )
             if vocab is not None and result is not None:
                 vocab.fill_model()  # when the optimizer was not loaded (it fills first otherwise)
-            if result is not None and os.path.isdir(result.path):
-                restore(_chunks(ddp_model), result.path, strict=strictness(args) in (True, "missing"))
+            if result is not None and os.path.isdir(result.path):  # persistent, or this rank's local-tier copy
+                self._restore_objects(args, ddp_model, result)
         self.last_load = result
         if result is None:
             if getattr(args, "exit_on_missing_checkpoint", False):
@@ -335,6 +338,15 @@ class Session:
                 sys.exit()
             return 0, 0
         return self._after_load(args, result)
+
+    @staticmethod
+    def _restore_objects(args: argparse.Namespace, model: Any, result: Any) -> None:
+        """The modules' extra state, and the rerun state machine's where Megatron restores it (not in a
+        finetune or from a release; :func:`.rerun.restore_rerun_state` checks the layout)."""
+        saved = saved_objects(result.path)
+        restore(_chunks(model), result.path, strict=strictness(args) in (True, "missing"), saved=saved)
+        if not (args.finetune or result.release or result.finetune):
+            restore_rerun_state(saved, result.path)
 
     def _load_native(
         self, args: Any, load_dir: str, model: Any, optimizer: Any, scheduler: Any, load_arg: str, strict: bool

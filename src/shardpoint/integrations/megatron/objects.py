@@ -29,7 +29,7 @@ from shardpoint.storage.safe_io import safe_torch_load
 
 from .checked_file import read_checked
 
-__all__ = ["OBJECTS_FILE", "encode", "restore", "saved_objects"]
+__all__ = ["OBJECTS_FILE", "encode", "encode_rank", "restore", "saved_objects"]
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +51,44 @@ def _is_main(replica_id: Any) -> bool:
     return all(r == 0 for r in replica_id) if isinstance(replica_id, tuple) else replica_id == 0
 
 
-def encode(chunks: list[torch.nn.Module]) -> bytes | None:
+def encode(chunks: list[torch.nn.Module], own: dict[str, bytes] | None = None) -> bytes | None:
     """Every rank: serialise the objects this rank holds the main replica of; rank 0 gets the file's bytes.
 
-    A collective over the default group (every rank calls it); None on other ranks, and
-    on rank 0 when the model has no objects.
+    ``own``: this rank's further entries, already serialised (its rerun state, see
+    :mod:`.rerun`). A collective over the default group (every rank calls it); None on
+    other ranks, and on rank 0 when there is nothing to store.
     """
-    mine = {}
-    for _, _, obj in sharded_objects(chunks):
-        if _is_main(obj.replica_id):
-            buffer = io.BytesIO()
-            torch.save(obj.data, buffer)
-            mine[obj.unique_key] = buffer.getvalue()
+    mine = {**_serialised(chunks, main_only=True), **(own or {})}
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)  # bytes between this job's own processes
     if torch.distributed.get_rank() != 0:
         return None
-    merged = {k: v for part in everyone for k, v in part.items()}
-    if not merged:
+    return _table({k: v for part in everyone for k, v in part.items()})
+
+
+def encode_rank(chunks: list[torch.nn.Module], own: dict[str, bytes] | None = None) -> bytes | None:
+    """This rank's table for its node-local tier copy: every object it holds (main replica or not) and ``own``.
+
+    No collective: a local-tier copy restores only the rank that wrote it, at the same layout.
+    """
+    return _table({**_serialised(chunks, main_only=False), **(own or {})})
+
+
+def _serialised(chunks: list[torch.nn.Module], main_only: bool) -> dict[str, bytes]:
+    mine = {}
+    for _, _, obj in sharded_objects(chunks):
+        if not main_only or _is_main(obj.replica_id):
+            buffer = io.BytesIO()
+            torch.save(obj.data, buffer)
+            mine[obj.unique_key] = buffer.getvalue()
+    return mine
+
+
+def _table(entries: dict[str, bytes]) -> bytes | None:
+    if not entries:
         return None
     buffer = io.BytesIO()
-    torch.save(dict(sorted(merged.items())), buffer)
+    torch.save(dict(sorted(entries.items())), buffer)
     return buffer.getvalue()
 
 
@@ -95,8 +112,10 @@ def saved_objects(checkpoint: str) -> dict[str, Any] | None:
     return {key: safe_torch_load(io.BytesIO(value), name=f"{path}: {key}") for key, value in table.items()}
 
 
-def restore(chunks: list[torch.nn.Module], checkpoint: str, strict: bool) -> int:
+def restore(chunks: list[torch.nn.Module], checkpoint: str, strict: bool, saved: dict[str, Any] | None) -> int:
     """Give each module its saved object (``set_extra_state``); returns how many were restored.
+
+    ``saved``: :func:`saved_objects` of ``checkpoint`` (read once by the caller).
 
     Raises:
         CorruptCheckpointError, UnsafeCheckpointError: see :func:`saved_objects`.
@@ -106,7 +125,6 @@ def restore(chunks: list[torch.nn.Module], checkpoint: str, strict: bool) -> int
     wanted = sharded_objects(chunks)
     if not wanted:
         return 0
-    saved = saved_objects(checkpoint)
     if saved is None:  # imported by `convert --from megatron`, or saved before objects were stored: kept as built
         log.info("megatron: %s holds no extra state (ShardedObject); the modules keep theirs", checkpoint)
         return 0
