@@ -153,3 +153,17 @@ def test_query_groups_are_compared_only_with_grouped_query_attention():
     options = config_options(gqa)
     assert "num_query_groups" not in options["allow_config_mismatch"] and options["config"]["num_query_groups"] == 1
     assert "group_query_attention" in options["allow_config_mismatch"]  # run arguments are not compared
+
+
+def test_saved_rerun_state_rebuilds_only_megatrons_own_classes():
+    """The rerun state is stored as plain values; a table naming any other class is refused by name."""
+    from megatron.core import rerun_state_machine as rsm
+
+    from shardpoint.errors import UnsafeCheckpointError
+    from shardpoint.integrations.megatron.rerun import plain, rebuilt
+
+    state = {"state": rsm.RerunState.WILL_RERUN_FROM_CHECKPOINT, "call": rsm.Call(rsm.Caller("nan", 1), 3)}
+    stored = plain(state)
+    assert "RerunState" not in repr(type(stored["state"])) and rebuilt(stored) == state
+    with pytest.raises(UnsafeCheckpointError, match="'Popen'"):
+        rebuilt({"mode": {"__megatron_enum__": "Popen", "name": "x"}})

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from shardpoint.errors import UnsafeCheckpointError
+from shardpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["RERUN_PREFIX", "rerun_key", "rerun_state", "restore_rerun_state"]
+__all__ = ["RERUN_PREFIX", "plain", "rebuilt", "rerun_key", "rerun_state", "restore_rerun_state"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def rerun_state(data_iterator: Any) -> dict[str, bytes]:
         return {}
     saved = dict(saved, sharded=saved["sharded"].data)  # the ShardedObject's payload: this rank's own
     buffer = io.BytesIO()
-    torch.save(_plain(saved), buffer)
+    torch.save(plain(saved), buffer)
     return {rerun_key(): buffer.getvalue()}
 
 
@@ -77,7 +77,7 @@ def restore_rerun_state(saved: dict[str, Any] | None, where: str) -> bool:
     if value is None:
         return False
     machine = get_rerun_state_machine()
-    state = _rebuilt(value)
+    state = rebuilt(value)
     if not machine.validate_state_dict(state):
         return False
     machine.load_state_dict(state)  # ignored by the machine itself in --rerun-mode disabled
@@ -102,27 +102,30 @@ def _class(name: Any) -> Any:
     return allowed[name]
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """Enums and named tuples as tagged plain values (weights-only unpickling builds no class)."""
     if isinstance(value, Enum):
         return {_ENUM: type(value).__name__, "name": value.name}
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return {_CALL: type(value).__name__, "fields": [_plain(v) for v in value]}
+        return {_CALL: type(value).__name__, "fields": [plain(v) for v in value]}
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+        return type(value)(plain(v) for v in value)
     return value
 
 
-def _rebuilt(value: Any) -> Any:
-    """:func:`_plain` undone, with Megatron's classes looked up in :func:`_classes` only."""
+def rebuilt(value: Any) -> Any:
+    """:func:`plain` undone, with Megatron's classes looked up in :func:`_classes` only."""
     if isinstance(value, dict) and _ENUM in value:
-        return _class(value[_ENUM])[value["name"]]
+        members = _class(value[_ENUM]).__members__
+        if value.get("name") not in members:
+            raise CorruptCheckpointError(f"the saved rerun state machine has {value!r}, no member of its enum")
+        return members[value["name"]]
     if isinstance(value, dict) and _CALL in value:
-        return _class(value[_CALL])(*(_rebuilt(v) for v in value["fields"]))
+        return _class(value[_CALL])(*(rebuilt(v) for v in value["fields"]))
     if isinstance(value, dict):
-        return {k: _rebuilt(v) for k, v in value.items()}
+        return {k: rebuilt(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_rebuilt(v) for v in value)
+        return type(value)(rebuilt(v) for v in value)
     return value
