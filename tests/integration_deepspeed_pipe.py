@@ -92,6 +92,7 @@ def pipeline_reshard(directory: str) -> dict[str, Any]:
     train(two, 2, 0, out=6)
     save_checkpoint(two, f"{directory}/pp2", client_state={"iteration": 2, "rank": torch.distributed.get_rank()})
     result = {"pp2_saved": snapshot(two)}
+    result["converted_loaded"] = load_converted(directory)
     one = pipeline_engine(seed=1, stages=1, tied=True)  # other weights until the load
     _, result["pp1_client"] = load_checkpoint(one, f"{directory}/pp2")
     result["pp1_loaded"] = snapshot(one)
@@ -104,6 +105,23 @@ def pipeline_reshard(directory: str) -> dict[str, Any]:
     result["back_losses"] = train(back, 1, 3, out=6)  # it trains on
     result["untied_refusal"] = untied_refusal(f"{directory}/untied")
     return result
+
+
+def load_converted(directory: str) -> dict[str, Any]:
+    """``convert --to deepspeed --pp 2 --dp 1 --zero-stage 1`` of the pp=2 save (on rank 0).
+
+    Then DeepSpeed's own engine (no shardpoint) loads it.
+    """
+    from shardpoint.cli import main
+
+    if torch.distributed.get_rank() == 0:
+        args = ["convert", "--to", "deepspeed", f"{directory}/pp2", f"{directory}/ds", "--pp", "2", "--dp", "1"]
+        assert main([*args, "--zero-stage", "1"]) == 0
+    torch.distributed.barrier()
+    stock = pipeline_engine(seed=3, tied=True)  # other weights until the load
+    path, client = stock.load_checkpoint(f"{directory}/ds")
+    assert path is not None, f"DeepSpeed loaded nothing from {directory}/ds"
+    return snapshot(stock) | {"client": client}
 
 
 def untied_refusal(directory: str) -> str:

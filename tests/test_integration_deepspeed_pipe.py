@@ -6,7 +6,8 @@ from them continues exactly as the uninterrupted run (same weights, same losses)
 Reshardable mode: a ``PipelineModule`` names each layer by its global index, so a
 checkpoint saved at pp=2 dp=1 (a tied layer on both stages) loads at pp=1 dp=2, trains on,
 and loads back at pp=2 dp=1, with weights, fp32 masters, Adam moments and step counts equal
-to what was saved, read with DeepSpeed's own getters.
+to what was saved, read with DeepSpeed's own getters. ``convert --to deepspeed --pp 2`` of the
+pp=2 save writes a ``PipelineEngine``'s files, which DeepSpeed's own engine loads exactly.
 """
 
 from __future__ import annotations
@@ -100,12 +101,31 @@ def test_pipeline_tied_layer_bias_that_deepspeed_does_not_tie_is_refused_not_mer
     assert not (root / "reshard" / "untied" / "latest").exists()
 
 
-def test_pipeline_reshardable_checkpoint_is_refused_by_convert_to_deepspeed(pipeline, tmp_path):
+def test_pipeline_convert_to_deepspeed_loads_in_deepspeeds_own_pipeline_engine_exactly(pipeline):
+    """``convert --to deepspeed --pp 2 --dp 1 --zero-stage 1`` of the pp=2 save: per-layer files, per-stage
+    model and optimizer files, which DeepSpeed's own ``PipelineEngine`` (no shardpoint) loads exactly."""
+    root, results = pipeline
+    names = sorted(p.name for p in (root / "reshard" / "ds" / TAG).iterdir())
+    assert [n for n in names if n.startswith("layer_")] == [f"layer_{i:02d}-model_states.pt" for i in range(5)]
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(names)
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"} <= set(names)
+    for rank, result in enumerate(results):
+        saved, loaded = result["reshard"]["pp2_saved"], result["reshard"]["converted_loaded"]
+        assert loaded["weights"].keys() == saved["weights"].keys() and loaded["state"].keys() == saved["state"].keys()
+        for key, value in {**saved["weights"], **saved["state"]}.items():
+            got = loaded["weights"].get(key, loaded["state"].get(key))
+            assert torch.equal(got, value), f"rank {rank}: {key} differs after DeepSpeed's load"
+        assert (loaded["step"], loaded["global"]) == (2, 2)
+        assert loaded["client"]["iteration"] == 2
+
+
+def test_pipeline_convert_to_deepspeed_refuses_another_pp(pipeline, tmp_path):
     from shardpoint.errors import CheckpointError
     from shardpoint.foreign.deepspeed_export import export_deepspeed, from_reshardable
 
     root, _ = pipeline
-    for saved, stages in (("pp2", 2), ("pp1", 1)):
-        with pytest.raises(CheckpointError, match=rf"pipeline engine \({stages} stage.*per-layer"):
-            export_deepspeed(from_reshardable(str(root / "reshard" / saved)), tmp_path / saved, dp=1)
-        assert not (tmp_path / saved).exists()
+    with pytest.raises(CheckpointError, match=r"saved at pp=1; .*saved stages only"):
+        export_deepspeed(from_reshardable(str(root / "reshard" / "pp1")), tmp_path / "pp1", dp=1, pp=2)
+    with pytest.raises(CheckpointError, match=r"does not run ZeRO-3"):
+        export_deepspeed(from_reshardable(str(root / "reshard" / "pp2")), tmp_path / "pp2", dp=1, stage=3)
+    assert not (tmp_path / "pp1").exists() and not (tmp_path / "pp2").exists()

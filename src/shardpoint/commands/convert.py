@@ -26,7 +26,8 @@ from such a source or from a shardpoint checkpoint imported from one
 expert-parallel ranks' ``mp_rank_TT[_PPP]_EEE`` folders); a Hugging Face source becomes
 Megatron's release checkpoint. ``--to deepspeed --dp D [--zero-stage 1|2|3]`` writes DeepSpeed's
 own ZeRO files for D ranks, which DeepSpeed's ``load_checkpoint`` reads (from the DeepSpeed
-integration's reshardable mode, or any ``--from`` source; :mod:`shardpoint.foreign.deepspeed_export`).
+integration's reshardable mode, or any ``--from`` source; :mod:`shardpoint.foreign.deepspeed_export`);
+a pipeline engine's reshardable save is written as its ``PipelineEngine`` writes it (``--pp``: its stages).
 Foreign pickles are read through an allow-list; nothing in them runs.
 """
 
@@ -326,8 +327,10 @@ def _export_deepspeed(out: Output, args: argparse.Namespace, source: str | None)
     from shardpoint import foreign
     from shardpoint.foreign.deepspeed_export import export_deepspeed, from_reshardable
 
-    if args.tp or args.pp or args.ep or args.distributed_optimizer:
-        raise ValueError("--to deepspeed writes data parallelism only: drop --tp/--pp/--ep/--distributed-optimizer")
+    if args.tp or args.ep or args.distributed_optimizer:  # --pp: a pipeline engine's checkpoint at its stages
+        raise ValueError(
+            "--to deepspeed writes data and pipeline parallelism only: drop --tp/--ep/--distributed-optimizer"
+        )
     if source == "hf":
         from shardpoint.foreign.hf_import import read_hf
 
@@ -340,7 +343,7 @@ def _export_deepspeed(out: Output, args: argparse.Namespace, source: str | None)
         ckpt.optimizer.clear()
     offline.refuse_writing_into_source(ckpt.path, args.dst)
     dp = args.dp or 1
-    path = export_deepspeed(ckpt, args.dst, dp=dp, stage=args.zero_stage)
+    path = export_deepspeed(ckpt, args.dst, dp=dp, stage=args.zero_stage, pp=args.pp)
     optimizer = any(name.startswith("zero_pp_rank_") for name in os.listdir(path))
     out.emit_json(
         {

@@ -21,7 +21,10 @@ optimizer's state as ``optimizer.state_dict()`` gives it (Adam's moments over th
 padded slice, the step, the group's hyperparameters), the padding on the last rank
 (``group_paddings``) and where each parameter's fragment lies in the slice
 (``param_slice_mappings``, for ``zero_to_fp32`` and ``ds_to_universal``). ZeRO-3 writes
-per-rank model states and partitions each parameter on its own (``_zero3_files``).
+per-rank model states and partitions each parameter on its own (``_zero3_files``). A
+pipeline engine's save is written as its ``PipelineEngine`` writes it, at its saved stages
+(``_pipeline_files``: ``layer_<ii>-model_states.pt`` per global layer, ``mp_rank_<ss>``
+per stage, optimizer files per stage and dp rank).
 
 The target model's optimizer must have the same groups, in the same order: the source's
 groups (recorded by the reshardable mode; a DeepSpeed or Megatron-LM source's own); a
@@ -100,7 +103,7 @@ def from_reshardable(path: str, iteration: int | None = None) -> ForeignCheckpoi
         consumed_samples=extra.get("global_samples"),
         param_groups=[dict(group) for group in extra.get("param_groups") or []],
         extra={k: extra.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "client_state")}
-        | {"pipeline_stages": extra.get("pipeline_stages")},
+        | {"pipeline_stages": extra.get("pipeline_stages"), "pipeline": extra.get("pipeline")},
     )
     for name, state in states.items():
         shape = params[name].shape
@@ -113,8 +116,13 @@ def from_reshardable(path: str, iteration: int | None = None) -> ForeignCheckpoi
     return ckpt
 
 
-def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp: int = 1, stage: int = 2) -> str:
+def export_deepspeed(
+    ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp: int = 1, stage: int = 2, pp: int | None = None
+) -> str:
     """Write ``ckpt`` into save directory ``dst`` as DeepSpeed's ZeRO-``stage`` files for ``dp`` ranks; return the tag.
+
+    A checkpoint of a pipeline engine (``PipelineModule``) is written as DeepSpeed's
+    ``PipelineEngine`` writes it, at ``pp`` stages (default: the saved number; ZeRO-1/2 only).
 
     Raises:
         ValueError: ``stage`` is not 1, 2 or 3, or ``dp`` < 1.
@@ -128,12 +136,17 @@ def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp
         raise ValueError(f"--zero-stage must be 1, 2 or 3, got {stage}")
     if dp < 1:
         raise ValueError(f"--dp must be at least 1, got {dp}")
-    _refuse_pipeline(ckpt)
+    layout = _pipeline(ckpt, pp, stage)
     root = os.path.abspath(os.fspath(dst))
     tag = f"global_step{ckpt.iteration}"
     final = os.path.join(root, tag)
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists already; convert into another directory or remove it first")
+    if layout is not None:
+        stages = len(layout["groups"])
+        _commit(root, tag, _pipeline_files(ckpt, layout, dp, stage), ckpt, dp, stage, pp=stages)
+        log.info("wrote DeepSpeed pipeline checkpoint %s (ZeRO-%d, pp=%d, dp=%d)", final, stage, stages, dp)
+        return final
     groups = _groups(ckpt)
     if stage == 3:
         files = _zero3_files(ckpt, groups, dp)
@@ -147,15 +160,60 @@ def export_deepspeed(ckpt: ForeignCheckpoint, dst: str | os.PathLike[str], *, dp
     return final
 
 
-def _refuse_pipeline(ckpt: ForeignCheckpoint) -> None:
-    """A pipeline engine loads its weights from per-layer files (``layer_<ii>-model_states.pt``), not written here."""
+def _pipeline(ckpt: ForeignCheckpoint, pp: int | None, stage: int) -> dict[str, Any] | None:
+    """The saved pipeline layout to write at ``pp`` stages; None for a checkpoint without a pipeline.
+
+    Raises:
+        CheckpointError: the checkpoint predates the recorded layout, ``pp`` differs from the
+            saved stages (DeepSpeed's partition of the layers is the engine's), or ZeRO-3 (which
+            DeepSpeed's ``PipelineEngine`` does not run).
+    """
     stages = ckpt.extra.get("pipeline_stages")
-    if stages:
+    if not stages:
+        if pp not in (None, 1):
+            raise CheckpointError(f"{ckpt.path} was not saved from a DeepSpeed pipeline engine; drop --pp {pp}")
+        return None
+    layout = ckpt.extra.get("pipeline")
+    fix = "load it with shardpoint.integrations.deepspeed.load_checkpoint at that layout and save it again"
+    if not layout:
         raise CheckpointError(
-            f"{ckpt.path} was saved from a DeepSpeed pipeline engine ({stages} stage(s)): convert --to deepspeed "
-            "does not write DeepSpeed's per-layer pipeline files yet; load it at any pp and dp with "
-            "shardpoint.integrations.deepspeed.load_checkpoint, or save it with engine mode (use(engine))"
+            f"{ckpt.path} was saved from a DeepSpeed pipeline engine ({stages} stage(s)) without its layer layout "
+            f"(an older shardpoint); {fix}, then convert"
         )
+    if pp not in (None, stages):
+        raise CheckpointError(
+            f"{ckpt.path} was saved at pp={stages}; convert --to deepspeed writes a pipeline at its saved stages "
+            f"only (which layers each stage holds is DeepSpeed's partition, not recorded for pp={pp}): {fix}"
+        )
+    if stage == 3:
+        raise CheckpointError(f"{ckpt.path}: DeepSpeed's pipeline engine does not run ZeRO-3; use --zero-stage 1|2")
+    return dict(layout)
+
+
+def _pipeline_files(ckpt: ForeignCheckpoint, layout: dict[str, Any], dp: int, stage: int) -> dict[str, Any]:
+    """A ``PipelineEngine``'s files: each layer's ``state_dict``, per stage its model and (pp, dp) optimizer files.
+
+    DeepSpeed's ``PipelineModule.save_state_dict`` writes global layer ``i`` (a tied layer on
+    every stage that holds it) as ``layer_<ii>-model_states.pt``; its ``PipelineEngine``
+    names stage ``s``'s files ``mp_rank_<ss>`` (tp=1), with ``module`` None, and flattens each
+    stage's optimizer groups on their own.
+    """
+    files: dict[str, Any] = {}
+    for index, prefix in enumerate(layout["layers"]):
+        if prefix is not None:  # buffers are in params too
+            state = ((k[len(prefix) :], t.detach().clone()) for k, t in ckpt.params.items() if k.startswith(prefix))
+            files[f"layer_{index:02d}-model_states.pt"] = OrderedDict(state)
+    pp = len(layout["groups"])
+    for s, recorded in enumerate(layout["groups"]):
+        groups = [dict(g) for g in recorded]
+        model = _model_states(ckpt, groups, dp, stage)
+        model.update(module=None, frozen_param_shapes=None, frozen_param_fragments=None, mp_world_size=pp)
+        model["checkpoint_parallel_dimensions"] = {"pp_degree": pp, "tp_degree": 1}
+        files[f"mp_rank_{s:02d}_model_states.pt"] = model
+        for rank in range(dp if groups else 0):
+            zero = {"optimizer_state_dict": _zero_state(ckpt, groups, dp, rank, stage)}
+            files[f"zero_pp_rank_{rank}_mp_rank_{s:02d}_optim_states.pt"] = zero | _versions(ckpt, stage)
+    return files
 
 
 def _groups(ckpt: ForeignCheckpoint) -> list[dict[str, Any]]:
@@ -381,7 +439,9 @@ def _ds_version(ckpt: ForeignCheckpoint) -> str:
         return "0.19.8"
 
 
-def _commit(root: str, tag: str, files: dict[str, Any], ckpt: ForeignCheckpoint, dp: int, stage: int) -> None:
+def _commit(
+    root: str, tag: str, files: dict[str, Any], ckpt: ForeignCheckpoint, dp: int, stage: int, pp: int = 1
+) -> None:
     """The files into a staging directory, renamed into place with ``shardpoint.json``, then ``latest``."""
     os.makedirs(root, exist_ok=True)
     storage = LocalStorage(root)
@@ -398,7 +458,7 @@ def _commit(root: str, tag: str, files: dict[str, Any], ckpt: ForeignCheckpoint,
         meta = CheckpointMetadata(
             iteration=ckpt.iteration,
             format="deepspeed",
-            topology={"world": dp, "dp": dp, "tp": 1, "pp": 1, "zero_stage": stage},
+            topology={"world": dp * pp, "dp": dp, "tp": 1, "pp": pp, "zero_stage": stage},
             layout="neox",
             files=records,
             wall_time=time.time(),

@@ -340,6 +340,40 @@ def _whole_parameters(engine: Any, loading: bool) -> Any:
     return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0 if loading else None)
 
 
+def _pipeline_layout(engine: Any) -> dict[str, Any] | None:
+    """A pipeline engine's layers and each stage's flat groups, gathered from every rank (a collective).
+
+    What ``convert --to deepspeed --pp`` needs to write DeepSpeed's per-layer files and each
+    stage's optimizer files: the stage boundaries (``parts``), the key prefix of each global
+    layer's ``state_dict`` (``"3."``, ``"tied_modules.io."``; None for a layer DeepSpeed does
+    not save, a function) and each stage's :func:`_param_groups`.
+    """
+    if not getattr(engine, "pipeline_parallelism", False):
+        return None
+    module, start = engine.module, int(engine.module.parts[engine.stage_id])
+    tied = {id(m): f"tied_modules.{key}." for key, m in module.tied_modules.items()}
+    layers: dict[int, str | None] = {}
+    for index, layer in enumerate(module.forward_funcs):  # DeepSpeed saves what has a state_dict
+        saved = hasattr(layer, "state_dict")
+        layers[start + index] = (tied.get(id(layer)) or f"{start + index}.") if saved else None
+    mine: dict[str, Any] = {"stage": int(engine.stage_id), "layers": layers, "groups": _param_groups(engine)}
+    gathered: list[Any] = [mine]
+    if comm.initialized():
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+    stages: dict[int, Any] = {}
+    prefixes: dict[int, Any] = {}
+    for item in gathered:
+        stages.setdefault(item["stage"], item["groups"])
+        prefixes.update(item["layers"])
+    parts = [int(p) for p in module.parts]
+    return {
+        "parts": parts,
+        "layers": [prefixes[i] for i in range(parts[-1])],
+        "groups": [stages[s] for s in sorted(stages)],
+    }
+
+
 def _stages(engine: Any) -> int:
     """The engine's pipeline stages (1 without a pipeline)."""
     return int(getattr(engine, "num_stages", 1)) if getattr(engine, "pipeline_parallelism", False) else 1
@@ -406,8 +440,9 @@ def save_checkpoint(
         # what of client_state is plain data, for a load at another layout (where per-rank state is not restored)
         client_state=_plain_json(client_state or {}),
         param_groups=_param_groups(engine),
-        # a pipeline engine's (1 at pp=1): convert --to deepspeed writes no per-layer files, so it refuses these
+        # a pipeline engine's (1 at pp=1), and its layers and each stage's groups (convert --to deepspeed --pp)
         pipeline_stages=_stages(engine) if getattr(engine, "pipeline_parallelism", False) else None,
+        pipeline=_pipeline_layout(engine),
     )
     with _whole_parameters(engine, loading=False), _checkpointer(engine, save_dir, checkpointer_options or {}) as ckpt:
         ckpt.save(iteration, state)
