@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardpoint.formats import load_parts
 from shardpoint.formats.base import wanted_summary
 from shardpoint.formats.dcp_metadata import outline_of
+from tests.counting import count_calls
 
 
 def _cuts(rng: random.Random, size: int) -> list[int]:
@@ -162,23 +163,6 @@ def _saved_by(world: int, params: int, rows: int = 4) -> tuple[Metadata, list[lo
     return metadata, [_request(a, outline, saved) for a in asked]
 
 
-def _calls(step) -> int:
-    import sys
-
-    count = 0
-
-    def profile(frame, event, arg):
-        nonlocal count
-        count += event in ("call", "c_call")
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 def test_rank_0s_plan_makes_a_few_calls_per_rank():
     """Counted: a rank more costs rank 0 a few Python calls, not a part built by gathers and sorts of its own.
 
@@ -193,7 +177,7 @@ def test_rank_0s_plan_makes_a_few_calls_per_rank():
         for world in (64, 128):
             metadata, requests = _saved_by(world, 20)
             index = ChunkIndex.from_metadata(metadata, "here")
-            counts.append(_calls(functools.partial(load_parts.plan, index, requests, shared, 1 << 30, "here")))
+            counts.append(count_calls(functools.partial(load_parts.plan, index, requests, shared, 1 << 30, "here")))
         per_rank = (counts[1] - counts[0]) / 64
         assert per_rank <= (16 if shared else 8), (shared, per_rank)
 

@@ -17,6 +17,7 @@ import torch
 import shardpoint as sp
 from shardpoint.catalog.integrity import without_zip_crc32
 from shardpoint.formats.tensor_archive import TEMPLATE_MAX_BYTES, archive_parts, templated
+from tests.counting import count_calls
 
 
 def _every_kind() -> dict[str, torch.Tensor]:
@@ -201,26 +202,10 @@ def test_a_tensor_read_straight_into_its_target_is_read_once_and_checked_whole(t
 
 
 # ------------------------------------------------------- counted: a load's planning per tensor
-def _calls(step) -> int:
-    """Python and built-in function calls made while ``step`` runs: its per-item work, counted, not timed."""
-    count = 0
-
-    def profile(frame, event, arg):
-        nonlocal count
-        count += event in ("call", "c_call")
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 def _calls_per_tensor(run, small: int = 200, large: int = 400) -> float:
     """What one more tensor adds (the fixed cost cancels): ``run(n)`` prepares n tensors and returns the step."""
     steps = run(small), run(large)
-    return (_calls(steps[1]) - _calls(steps[0])) / (large - small)
+    return (count_calls(steps[1]) - count_calls(steps[0])) / (large - small)
 
 
 def _saved(n: int, saved_by: int):
