@@ -38,8 +38,11 @@ def model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
 
 
-def engine(stage: int, seed: int = 0, lr: float = 1e-2, frozen: tuple[str, ...] = ()) -> Any:
-    """A DeepSpeed engine of :func:`model`; the parameters named in ``frozen`` are not trained (nor optimized)."""
+def engine(stage: int, seed: int = 0, lr: float = 1e-2, frozen: tuple[str, ...] = (), universal: bool = False) -> Any:
+    """A DeepSpeed engine of :func:`model`; the parameters named in ``frozen`` are not trained (nor optimized).
+
+    ``universal``: configured to load universal checkpoints (``ds_to_universal``'s output).
+    """
     deepspeed = _deepspeed()
     net = model(seed)
     for name, param in net.named_parameters():
@@ -56,6 +59,8 @@ def engine(stage: int, seed: int = 0, lr: float = 1e-2, frozen: tuple[str, ...] 
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
     built, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
     return built
 
@@ -156,6 +161,16 @@ def load_ours(rank: int, world: int, directory: str, stage: int, options: dict |
     except CheckpointError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"path": path, "iteration": client["iteration"], "params": params(eng), "losses": train(eng, 2, 3)}
+
+
+def load_universal(rank: int, world: int, directory: str, tag: str, stage: int) -> dict[str, Any]:
+    """An engine configured for universal checkpoints, with shardpoint's engine, loads ``tag`` (ds_to_universal's)."""
+    from shardpoint.integrations.deepspeed import use
+
+    eng = engine(stage, seed=1, universal=True)
+    use(eng)
+    path, _ = eng.load_checkpoint(directory, tag=tag)
+    return {"path": path, "params": params(eng), "losses": train(eng, 2, 3)}
 
 
 def load_ours_each(rank: int, world: int, runs: list[tuple[str, dict]], stage: int) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from importlib.util import find_spec
 
 import pytest
@@ -35,6 +36,7 @@ from tests.integration_deepspeed_worker import (
     load_ours,
     load_ours_each,
     load_stock_and_converted,
+    load_universal,
     reshard_load,
     reshard_save,
     resume_all,
@@ -178,6 +180,28 @@ def test_engine_mode_load_matches_deepspeed_and_names_a_flipped_byte(both, stock
         # DeepSpeed's own tag (no shardpoint.json) is refused, naming the way to read it anyway
         assert "shardpoint.json" in unmarked["error"] and "unverified_ok=True" in unmarked["error"]
         _same(unverified["params"], saved)
+
+
+def test_engine_mode_loads_what_ds_to_universal_made_of_its_tag(both, tmp_path):
+    """DeepSpeed's universal workflow: ``ds_to_universal`` writes a tag offline (never with a shardpoint.json);
+    an engine configured to load universal checkpoints reads it through shardpoint's engine, with no code run."""
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+    _, ours, saved, uninterrupted = both
+    directory = tmp_path / "run"
+    shutil.copytree(ours, directory)
+    universal = f"{TAG}_universal"
+    args = {"input_folder": str(directory / TAG), "output_folder": str(directory / universal)}
+    workers = {"num_extract_workers": 1, "num_merge_workers": 1, "keep_temp_folder": False}
+    to_universal(SimpleNamespace(**args, **workers, strict=True, inject_missing_state=True))
+    assert not (directory / universal / "shardpoint.json").exists()
+    for result, going_on in zip(
+        launch(load_universal, 2, str(directory), universal, 2, env=ENV, backend="gloo"), uninterrupted
+    ):
+        _same(result["params"], saved)
+        assert result["losses"] == going_on  # fp32 masters and moments came back too: training goes on bit for bit
 
 
 @pytest.mark.parametrize(

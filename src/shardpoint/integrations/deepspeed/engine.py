@@ -42,6 +42,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardpoint.catalog.metadata import MARKER_NAME
 from shardpoint.errors import CheckpointError
 from shardpoint.integrations import missing_framework
 
@@ -51,7 +52,14 @@ try:
 except ModuleNotFoundError as exc:
     raise missing_framework(exc, "deepspeed", "deepspeed") from exc
 
-from shardpoint.integrations.deepspeed.files import StagedTag, check_tag, read_checked, tag_iteration
+from shardpoint.integrations.deepspeed.files import (
+    LATEST,
+    LATEST_UNIVERSAL,
+    StagedTag,
+    check_tag,
+    read_checked,
+    tag_iteration,
+)
 from shardpoint.integrations.deepspeed.pending import PendingSaves, SaveRequest
 from shardpoint.integrations.deepspeed.whole_file import WholeFileEngine
 
@@ -117,6 +125,8 @@ class ShardpointCheckpointEngine(CheckpointEngine):
         self._engine: Any = None
         self._save_latest: bool | None = None  # set by use()'s wrapper for the save in progress
         self._staged: StagedTag | None = None
+        #: set by use()'s load wrapper while DeepSpeed loads a universal checkpoint (see _wrap_load)
+        self.universal_load = False
         self.pending = PendingSaves(
             async_save=self.options.async_save, upload_to=self.options.upload_to, keep_last=self.options.keep_last
         )
@@ -146,7 +156,7 @@ class ShardpointCheckpointEngine(CheckpointEngine):
         self.pending.write(state_dict, path, self.zipfile_serialization)
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        return read_checked(path, map_location, unverified_ok=self.options.unverified_ok)
+        return read_checked(path, map_location, unverified_ok=self.options.unverified_ok or self.universal_load)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Sync: the save's commit (every rank, in ``save_checkpoint``); decoupled: each step's poll."""
@@ -265,6 +275,25 @@ def _wrap_16bit(engine: Any) -> None:
     setattr(engine, _WRAPPED_16BIT, original)
 
 
+def _loads_universal(engine: Any) -> bool:
+    """The engine is configured to load a universal checkpoint (``"load_universal_checkpoint": true``).
+
+    DeepSpeed's ``ds_to_universal`` writes those tags offline, after the save, so they never
+    have a ``shardpoint.json``: refusing them would make DeepSpeed's universal workflow
+    impossible. Asked for explicitly by the config, such a tag is read unchecked (a tag
+    shardpoint committed is still checked), with no code run, and said so in the log.
+    """
+    flag = getattr(engine, "load_universal_checkpoint", None)
+    if not callable(flag) or not flag():
+        return False
+    log.warning(
+        "loading a DeepSpeed universal checkpoint: ds_to_universal writes no %s, so a tag without one is read "
+        "without checksums (still without running code)",
+        MARKER_NAME,
+    )
+    return True
+
+
 def _wrap_load(engine: Any) -> None:
     """Check the tag on every rank before DeepSpeed reads it, so a damaged file stops every rank, not one.
 
@@ -277,10 +306,17 @@ def _wrap_load(engine: Any) -> None:
     @functools.wraps(original)
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kw: Any):
         current = engine.checkpoint_engine
-        if isinstance(current, ShardpointCheckpointEngine):
-            current.wait()  # a pending save committed first: it may be the tag this load reads
-            check_tag(str(load_dir), tag, current.options.unverified_ok)
-        return original(load_dir, tag, *args, **kw)
+        if not isinstance(current, ShardpointCheckpointEngine):
+            return original(load_dir, tag, *args, **kw)
+        current.wait()  # a pending save committed first: it may be the tag this load reads
+        universal = _loads_universal(engine)
+        latest = LATEST_UNIVERSAL if universal else LATEST
+        check_tag(str(load_dir), tag, current.options.unverified_ok or universal, latest)
+        current.universal_load = universal
+        try:
+            return original(load_dir, tag, *args, **kw)
+        finally:
+            current.universal_load = False
 
     engine.load_checkpoint = load_checkpoint
     setattr(engine, _WRAPPED_LOAD, original)

@@ -48,6 +48,8 @@ __all__ = ["LATEST", "StagedTag", "check_tag", "read_checked", "tag_iteration"]
 
 #: DeepSpeed's tracker beside the tags; it holds the tag's name
 LATEST = "latest"
+#: the tag file ds_to_universal writes, which DeepSpeed reads instead of ``latest`` for a universal load
+LATEST_UNIVERSAL = "latest_universal"
 _FORMAT = "deepspeed"
 _CHUNK = 16 << 20
 
@@ -257,7 +259,7 @@ def _stamp(path: str) -> tuple[int, int] | None:
     return stat.st_size, stat.st_mtime_ns
 
 
-def check_tag(load_dir: str, tag: str | None, unverified_ok: bool = False) -> None:
+def check_tag(load_dir: str, tag: str | None, unverified_ok: bool = False, latest: str = LATEST) -> None:
     """Every rank: the tag DeepSpeed is about to load (``latest`` when None) is whole; else every rank raises.
 
     Each rank checks the size and checksum of every ``world``-th file the marker lists
@@ -265,17 +267,18 @@ def check_tag(load_dir: str, tag: str | None, unverified_ok: bool = False) -> No
     whole with its size and mtime, so :func:`read_checked` then reads it once, from the
     path, without hashing it again (a file changed since is hashed again). Nothing is checked when
     there is nothing to load (DeepSpeed then says so itself) or, with ``unverified_ok``,
-    when the tag has no marker.
+    when the tag has no marker. ``latest``: the file naming the tag when ``tag`` is None
+    (``latest_universal`` for a universal load, as DeepSpeed reads it).
     """
     storage = LocalStorage(load_dir)
 
     def check() -> dict[str, tuple[int, int] | None]:
         name = tag
         if name is None:
-            latest = os.path.join(load_dir, LATEST)
-            if not os.path.isfile(latest):
+            latest_file = os.path.join(load_dir, latest)
+            if not os.path.isfile(latest_file):
                 return {}
-            with open(latest) as f:
+            with open(latest_file) as f:
                 name = f.read().strip()
         directory = os.path.join(load_dir, name)
         if not os.path.isdir(directory) or (unverified_ok and not os.path.exists(os.path.join(directory, MARKER_NAME))):
