@@ -113,6 +113,9 @@ def _save_then_die(rank: int, world: int, root: str, point: str, fault_rank: int
 def test_a_kill_at_each_moment_leaves_the_tracker_on_a_loadable_checkpoint(
     cloud, cloud_bucket, tmp_path, monkeypatch, point, rank, tracked
 ):
+    if point != "mid-data" and not cloud_bucket.startswith("s3://") and os.environ.get("SHARDPOINT_LONG") != "1":
+        # S3 takes every moment; GCS and Azure share its commit code, so a kill mid-data there is enough for CI
+        pytest.skip("a longer variant: SHARDPOINT_LONG=1 runs every moment on GCS and Azure")
     monkeypatch.chdir(tmp_path)
     root = f"{cloud_bucket}/run"
     codes = launch(_save_then_die, 2, root, point, rank, env=cloud.env, expect_failure=True)
