@@ -220,7 +220,7 @@ def test_rank_0s_array_check_takes_valid_tilings_that_are_no_grid_and_counts_rep
 def _survey_calls(world: int, tensors: int, replicas: int) -> int:
     """Python calls of rank 0's check of ``world`` ranks' boxes: ``tensors`` row bands, each ``replicas`` times."""
     from shardpoint.state import box_table
-    from tests.test_per_item_costs import _calls
+    from tests.counting import count_calls
 
     bands = world // replicas
     shards = [sp.Shard(torch.zeros(1, 8), (bands, 8), (0, 0))] * tensors
@@ -230,7 +230,7 @@ def _survey_calls(world: int, tensors: int, replicas: int) -> int:
     for rank in range(world):
         columns[len(box_table.FIELDS)] = rank % bands  # the row offsets
         gathered.append(one._replace(columns=columns.tobytes()))
-    return _calls(lambda: box_table.survey(gathered))
+    return count_calls(lambda: box_table.survey(gathered))
 
 
 @pytest.mark.parametrize("replicas", [1, 4], ids=["sharded", "sharded-and-replicated"])
