@@ -80,20 +80,16 @@ class Checkpointer:
         verify: check file checksums on load (sizes are always checked).
         thread_count: writer and reader threads per rank for the ``dist`` format
             (default: twice the cores, at most 4; I/O waits on the disk more than on the CPU).
-        upload_to: local-first mode: after each local commit, copy the checkpoint to this
-            ``s3://``, ``gs://`` or ``az://`` prefix (or a shared local directory) in the background
-            and move the remote tracker when the upload is complete (see
-            :mod:`shardpoint.lifecycle.upload`).
-        node_local: whether ``path`` is a different, unshared directory on each node
-            (with ``upload_to``); None finds out with a probe file at construction
-            (see :mod:`shardpoint.lifecycle.node_local`).
+        upload_to: local-first mode: after each local commit, copy the checkpoint to this ``s3://``, ``gs://``
+            or ``az://`` prefix (or a shared directory) in the background, then move the remote tracker.
+        node_local: whether ``path`` is a different, unshared directory on each node (with ``upload_to``);
+            None finds out with a probe file (:mod:`shardpoint.lifecycle.node_local`).
         replica_check_interval: compare tensors that several ranks hold (declared
             replicas) by hash on the first save and every N-th save after it (1: every
             save, 0: never); a mismatch stops the save. See :mod:`shardpoint.state.replicas`.
-        local_dir: the non-persistent tier: a node-local path (NVMe, or RAM such as
-            ``/dev/shm/run``) where ``maybe_save`` writes a checkpoint every
-            ``local_interval`` steps, asynchronously; an iteration due for both tiers is
-            saved persistently only. See :mod:`shardpoint.tier`.
+        local_dir: the non-persistent tier: a node-local path (NVMe, or RAM such as ``/dev/shm/run``) where
+            ``maybe_save`` writes a checkpoint every ``local_interval`` steps, asynchronously; an iteration
+            due for both tiers is saved persistently only. See :mod:`shardpoint.tier`.
         local_interval: steps between local checkpoints (needs ``local_dir``).
         local_keep: local checkpoints kept on each node, replicas included.
         local_replicas: copies of each rank's files held by ranks on other nodes, sent
@@ -322,27 +318,17 @@ class Checkpointer:
     ) -> LoadResult | None:
         """Load the latest checkpoint (or ``iteration``) into ``state``; None when there is none.
 
-        Every rank calls this. A release checkpoint, or ``finetune=True``, loads no
-        optimizer, scheduler or RNG and resumes at iteration 0.
-
-        Optimizer state that was saved per rank (not elementwise with its parameter,
-        e.g. Adafactor's factored statistics of a sharded weight) is restored exactly
-        at the saved layout only. At another layout ``optimizer_reshard="error"``
-        (default) raises naming those states; ``"reinit"`` loads everything else and
-        re-initialises them to zeros with a warning naming each one.
-
-        Keys are the model's own names whatever wraps it (see :mod:`shardpoint.state.naming`).
-        ``rename`` maps saved names onto current ones for checkpoints from before a
-        refactor: ``{"old.name": "new.name"}`` or a callable, applied to model names
-        (optimizer state follows its parameter); a strict load then names what is
-        still missing.
-
-        ``strict``: True raises when the checkpoint lacks a key of ``state`` or holds one
-        ``state`` lacks; ``"missing"`` only for the former (saved keys nothing asks for
-        are skipped, as Megatron's ``--dist-ckpt-strictness assume_ok_unexpected``);
-        False loads the keys that match and skips the rest.
-
-        The steps are :class:`~shardpoint.lifecycle.load_pipeline.LoadPipeline`'s.
+        Every rank calls this; the steps are :class:`~shardpoint.lifecycle.load_pipeline.LoadPipeline`'s.
+        A release checkpoint, or ``finetune=True``, loads no optimizer, scheduler or RNG and
+        resumes at iteration 0. Keys are the model's own names whatever wraps it
+        (:mod:`shardpoint.state.naming`); ``rename`` maps saved names onto current ones
+        (``{"old.name": "new.name"}`` or a callable, applied to model names; optimizer state
+        follows its parameter). ``strict``: True raises when the checkpoint lacks a key of
+        ``state`` or holds one ``state`` lacks; ``"missing"`` only for the former (as Megatron's
+        ``--dist-ckpt-strictness assume_ok_unexpected``); False loads the keys that match.
+        Optimizer state saved per rank (e.g. Adafactor's factored statistics of a sharded
+        weight) is exact at the saved layout only; elsewhere ``optimizer_reshard="error"``
+        raises naming it and ``"reinit"`` zeroes it with a warning naming each one.
 
         Raises:
             ConfigMismatchError: the saved config differs (keys named in the message).
