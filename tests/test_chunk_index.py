@@ -22,8 +22,9 @@ import xxhash
 
 import shardpoint as sp
 from shardpoint.catalog.metadata import FileRecord
-from shardpoint.formats import chunk_index
+from shardpoint.formats import chunk_index, chunk_rows
 from shardpoint.formats.chunk_index import INDEX_NAME, ChunkIndex
+from shardpoint.formats.chunk_rows import ROWS_NAME
 from tests import toy
 from tests.distributed import launch
 
@@ -120,8 +121,23 @@ def _other_metadata(root: Path) -> None:
 def _without_index(root: Path) -> None:
     """A checkpoint as shardpoint wrote them before the index."""
     last = _last(root)
-    (last / INDEX_NAME).unlink()
-    _reseal(last, INDEX_NAME)
+    for name in (INDEX_NAME, ROWS_NAME):
+        (last / name).unlink()
+        _reseal(last, name)
+
+
+def _as_version_1(root: Path) -> None:
+    """A checkpoint as shardpoint wrote them before ``.chunk_rows``: the whole index in ``.chunk_index`` version 1."""
+    last = _last(root)
+    _write_version_1(last, _decode(last))
+
+
+def _write_version_1(checkpoint: Path, index: ChunkIndex) -> None:
+    marker = json.loads((checkpoint / "shardpoint.json").read_text())["files"]
+    (checkpoint / INDEX_NAME).write_bytes(chunk_index.encode(index, FileRecord(**marker[".metadata"])))
+    (checkpoint / ROWS_NAME).unlink(missing_ok=True)
+    _reseal(checkpoint, INDEX_NAME)
+    _reseal(checkpoint, ROWS_NAME)
 
 
 def _outside(root: Path) -> None:
@@ -132,12 +148,10 @@ def _outside(root: Path) -> None:
     shutil.copy(last / "__0_0.distcp", other / "__0_0.distcp")
     index = _decode(last)
     index.files[0] = (os.path.relpath(other / "__0_0.distcp", last), None)
-    marker = json.loads((last / "shardpoint.json").read_text())["files"]
-    (last / INDEX_NAME).write_bytes(chunk_index.encode(index, FileRecord(**marker[".metadata"])))
-    _reseal(last, INDEX_NAME)
+    _write_version_1(last, index)
 
 
-_DAMAGE = {"flip": _flip, "other": _other_metadata, "none": _without_index, "outside": _outside}
+_DAMAGE = {"flip": _flip, "other": _other_metadata, "none": _without_index, "outside": _outside, "v1": _as_version_1}
 
 
 def test_a_load_with_the_index_unpickles_nothing_and_one_without_it_reads_metadata(tmp_path):
@@ -149,6 +163,13 @@ def test_a_load_with_the_index_unpickles_nothing_and_one_without_it_reads_metada
     assert all(r["same"] for r in old), old
     assert any(".metadata" in where for where in old[0]["unpickled"]), old  # the count sees the old path
     assert all(r["unpickled"] for r in old), old  # rank 0 the file, the others its outline
+
+
+def test_a_checkpoint_with_a_version_1_index_still_loads_from_it(tmp_path):
+    """Checkpoints written before ``.chunk_rows`` hold the whole index in ``.chunk_index`` version 1."""
+    results = launch(_load, 2, str(tmp_path / "run"), 1, "v1", False)
+    assert all(r["same"] for r in results), results
+    assert [r["unpickled"] for r in results] == [[], []]
 
 
 @pytest.mark.parametrize("damage", ["flip", "other"])
@@ -188,15 +209,34 @@ def _assert_same(index: ChunkIndex, expected: ChunkIndex) -> None:
 
 
 def _decode(checkpoint: Path, data: bytes | None = None) -> ChunkIndex:
+    """The index of ``checkpoint`` (or ``data`` as its ``.chunk_index``), of either version, checked."""
     marker = json.loads((checkpoint / "shardpoint.json").read_text())["files"]
     data = (checkpoint / INDEX_NAME).read_bytes() if data is None else data
+    metadata = FileRecord(**marker[".metadata"])
 
     def size_of(name: str) -> int:
         if name not in marker:
             raise sp.CheckpointError(f"{name} is not listed")
         return marker[name]["size"]
 
-    return chunk_index.decode(data, INDEX_NAME, FileRecord(**marker[".metadata"]), size_of)
+    if json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]["version"] == "1":
+        return chunk_index.decode(data, INDEX_NAME, metadata, size_of)
+    head = chunk_rows.decode_head(data, INDEX_NAME, metadata, size_of)
+    read_range = chunk_rows.range_reader(_Local(), str(checkpoint / ROWS_NAME))
+    return chunk_rows.read_rows(read_range, head, 0, len(head.keys), ROWS_NAME, size_of)
+
+
+class _Local:
+    """The one call of a DCP filesystem that :func:`chunk_rows.range_reader` makes."""
+
+    def create_stream(self, path: str, mode: str):
+        return open(path, mode)
+
+
+def _version_1(checkpoint: Path) -> bytes:
+    """The checkpoint's index written as version 1 (everything in ``.chunk_index``), as older saves wrote it."""
+    marker = json.loads((checkpoint / "shardpoint.json").read_text())["files"]
+    return chunk_index.encode(_decode(checkpoint), FileRecord(**marker[".metadata"]))
 
 
 @pytest.mark.parametrize(
@@ -210,8 +250,9 @@ def _decode(checkpoint: Path, data: bytes | None = None) -> ChunkIndex:
     ],
 )
 def test_a_crafted_column_is_refused_before_anything_is_sized_from_it(saved, column, value, said):
+    """In version 1's columns; version 2's rows: ``tests/test_chunk_rows.py``."""
     checkpoint = saved
-    raw = (checkpoint / INDEX_NAME).read_bytes()
+    raw = _version_1(checkpoint)
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
     arrays = {name: array.copy() for name, array in safetensors.numpy.load(raw).items()}
     arrays[column].reshape(-1)[-1 if column == "first_row" else 0] = value
@@ -249,16 +290,19 @@ def test_a_checkpoint_saved_through_dcp_save_gets_its_index_too(tmp_path, saved)
     checkpoint = tmp_path / saved.name
     shutil.copytree(saved, checkpoint)
     written = (checkpoint / INDEX_NAME).read_bytes()
+    rows = (checkpoint / ROWS_NAME).read_bytes()
     os.remove(checkpoint / INDEX_NAME)
+    os.remove(checkpoint / ROWS_NAME)
     writer = Writer(checkpoint)
     dist_save.index_after_dcp(writer, str(checkpoint))
     assert writer.metadata is None
+    assert (checkpoint / ROWS_NAME).read_bytes() == rows
     _assert_same(_decode(checkpoint), _decode(checkpoint, written))  # not the bytes: safetensors orders its header
 
 
 def test_columns_are_views_of_the_bytes_read_not_copies(saved):
     """Counted: decoding copies no column (a copy doubled rank 0's memory for a 256 MB index at 16,384 ranks)."""
-    data = (saved / INDEX_NAME).read_bytes()
+    data = _version_1(saved)
     index = _decode(saved, data)
     for column in ("first_row", "starts", "sizes", "file", "offset", "length"):
         assert np.shares_memory(getattr(index, column), np.frombuffer(data, np.uint8)), column
@@ -274,7 +318,7 @@ def test_columns_are_views_of_the_bytes_read_not_copies(saved):
     ],
 )
 def test_a_header_giving_a_column_another_range_or_type_is_refused_by_name(saved, entry):
-    raw = (saved / INDEX_NAME).read_bytes()
+    raw = _version_1(saved)
     length = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + length])
 

@@ -12,7 +12,7 @@ The file is in the safetensors format (a JSON header, then raw little-endian arr
 a format from the package registry that shardpoint depends on already (written by its
 library). A load reads the JSON header with shardpoint's strict parser and takes each
 array as a view of the bytes read, its dtype, shape and byte range checked against the
-file first (:func:`_columns`; safetensors' loader copies every array). Its header gives
+file first (:func:`~shardpoint.formats.chunk_table.columns`; safetensors' loader copies every array). Its header gives
 each array's byte range, so a reader could fetch only some
 rows with ranged reads; today rank 0 reads the whole index once per load (the plan is
 made on rank 0, :mod:`~shardpoint.formats.load_parts`), so summed over ranks a load
@@ -36,7 +36,13 @@ Columns (``tensors`` keys in sorted order; ``rows`` chunks, each key's chunks in
 ======================  ==============  ===============================================
 
 The header's ``__metadata__`` records the size and XXH3 of the ``.metadata`` written
-with it and the counts of tensors and rows. The marker lists the index with its checksum
+with it and the counts of tensors and rows.
+
+This is version 1. Saves now write version 2 (:mod:`~shardpoint.formats.chunk_rows`):
+the same file without the per-chunk columns, which go to ``.chunk_rows`` as records
+that each planner reads only its keys' range of. Both load: :func:`share_outline` reads
+either, and the in-memory index and the checks both versions share are
+:mod:`~shardpoint.formats.chunk_table`'s. The marker lists the index with its checksum
 like every other file; a load refuses an index that fails it, or that records another
 ``.metadata`` than the marker lists (a file copied from another checkpoint), naming the
 index; ``fallback=True`` then loads an older checkpoint, as for any damaged one.
@@ -44,31 +50,35 @@ index; ``fallback=True`` then loads an older checkpoint, as for any damaged one.
 
 from __future__ import annotations
 
-import itertools
-import json
-import math
-import operator
-import struct
-import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import safetensors.numpy
-import torch
-import xxhash
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 
 from shardpoint.catalog.metadata import FileRecord, listed_record
-from shardpoint.catalog.untrusted_json import parse_json_object
-from shardpoint.errors import CorruptCheckpointError
+from shardpoint.formats import chunk_rows
 from shardpoint.formats.batched_writes import sync_stream
+from shardpoint.formats.chunk_rows import ROWS_NAME
+from shardpoint.formats.chunk_table import (
+    ChunkIndex,
+    IndexReads,
+    Outline,
+    check_chunks,
+    check_metadata_record,
+    check_outline,
+    check_within_files,
+    columns,
+    complaint,
+    file_sizes,
+    header,
+    index_reads,
+    outline_columns,
+    padded,
+    read,
+    tensor_of,
+)
 from shardpoint.formats.dcp_metadata import DCP_METADATA
 from shardpoint.parallel import comm
 
@@ -88,195 +98,7 @@ __all__ = [
 ]
 
 INDEX_NAME = ".chunk_index"
-_FORMAT, _VERSION = "shardpoint chunk index", "1"
-_LIMIT = 1 << 62  # no offset, length or size of a real checkpoint comes near it; sums of two stay below 2**63
-#: the dtypes a tensor of an index may have, by name (``str(dtype)``): nothing else is looked up
-_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_FIX = "Load an earlier iteration (iteration=N or fallback=True), or run `shardpoint verify`"
-
-File = tuple[str, tuple[str, ...] | None]  # relative path, DCP's transform descriptors
-
-
-@dataclass
-class IndexReads:
-    """Bytes of ``.chunk_index`` this process read from storage (tests sum it over ranks)."""
-
-    bytes: int = 0
-    reads: int = 0
-
-
-#: this process's count
-index_reads = IndexReads()
-
-
-@dataclass
-class Outline:
-    """Every key's dtype (None: a bytes item) and global shape: what each rank needs to place its targets.
-
-    What rank 0 broadcasts of the index (a few dozen bytes per tensor, however many
-    ranks saved it); :meth:`metadata` is the ``Metadata`` without chunks that DCP's
-    planner takes, one object per tensor, none per chunk.
-    """
-
-    keys: list[str]
-    dtypes: list[str | None]
-    shapes: list[tuple[int, ...]]
-
-    def metadata(self) -> Metadata:
-        tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
-            key: BytesStorageMetadata()
-            if dtype is None
-            else TensorStorageMetadata(TensorProperties(dtype=_DTYPES[dtype]), torch.Size(shape), [])
-            for key, dtype, shape in zip(self.keys, self.dtypes, self.shapes)
-        }
-        return Metadata(state_dict_metadata=tensors, storage_data={})
-
-
-@dataclass
-class ChunkIndex:
-    """Every stored chunk, by position (see the module docstring); ``keys`` sorted."""
-
-    keys: list[str]
-    dtypes: list[str | None]  # str(dtype); None: a bytes item (no chunks)
-    shapes: list[tuple[int, ...]]
-    first_row: np.ndarray  # int64 (keys + 1,)
-    starts: np.ndarray  # int64 (rows, width), padded with 0
-    sizes: np.ndarray  # int64 (rows, width), padded with 1
-    file: np.ndarray  # int32 (rows,): index into ``files``; -1: no stored data listed
-    offset: np.ndarray  # int64 (rows,)
-    length: np.ndarray  # int64 (rows,)
-    files: list[File]
-
-    @property
-    def outline(self) -> Outline:
-        return Outline(self.keys, self.dtypes, self.shapes)
-
-    @classmethod
-    def from_metadata(cls, metadata: Metadata, where: str) -> ChunkIndex:
-        """The index of an unpickled ``.metadata``: comprehensions and numpy over all chunks, no step per chunk.
-
-        1.2 million chunks and stored items at 4096 × 300; 10,000 on a rank of small
-        tensors, where a step per chunk cost more than the reads.
-        """
-        saved = sorted(metadata.state_dict_metadata)
-        tensors = [metadata.state_dict_metadata[key] for key in saved]
-        metas = [md if isinstance(md, TensorStorageMetadata) else None for md in tensors]  # None: a stored object
-        listed = [md.chunks if md is not None else () for md in metas]
-        counts = np.fromiter(map(len, listed), np.int64, len(listed))
-        base = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        shapes = [tuple(md.size) if md is not None else () for md in metas]
-        chunks = list(itertools.chain.from_iterable(listed))
-        ndim = np.repeat(np.fromiter(map(len, shapes), np.int64, len(shapes)), counts)
-        offsets, extents = [chunk.offsets for chunk in chunks], [chunk.sizes for chunk in chunks]
-        for rows in (offsets, extents):
-            _check_dims(rows, ndim, saved, base, where)
-        dims = max([1, *map(len, shapes)])
-        starts, sizes = padded(offsets, ndim, dims, 0), padded(extents, ndim, dims, 1)
-        keys = itertools.chain.from_iterable(map(itertools.repeat, saved, counts.tolist()))
-        # (key, offsets) hashes as the MetadataIndex of storage_data: no conversions
-        at: dict[tuple[str, torch.Size], int] = dict(zip(zip(keys, offsets), range(len(chunks))))
-        file, offset, length, files = _placement(metadata, at, len(chunks))
-        dtypes = [str(md.properties.dtype) if md is not None else None for md in metas]
-        return cls(saved, dtypes, shapes, base, starts, sizes, file, offset, length, files)
-
-
-def tensor_of(md: TensorStorageMetadata | BytesStorageMetadata, key: str) -> TensorStorageMetadata:
-    """``md``, the metadata of a saved tensor; a key saved as an object has no chunks, no box, no dtype."""
-    if not isinstance(md, TensorStorageMetadata):
-        raise CorruptCheckpointError(f"{key!r} is stored as an object, not a tensor")
-    return md
-
-
-_fqn_offset = operator.attrgetter("fqn", "offset")  # of a MetadataIndex
-_relative_path, _offset, _length = map(operator.attrgetter, ("relative_path", "offset", "length"))  # of a _StorageInfo
-
-
-def _placement(
-    metadata: Metadata, at: Mapping[tuple[str, torch.Size], int], rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[File]]:
-    """Each chunk's file, offset and length from ``storage_data`` (``at``: a chunk's row by its index)."""
-    file = np.full(rows, -1, np.int32)  # -1: no stored data listed
-    offset, length = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
-    storage = metadata.storage_data or {}
-    # the others (-1): a pickled object's bytes (refused when asked for), not a tensor's chunk
-    found = np.fromiter(map(at.get, map(_fqn_offset, storage), itertools.repeat(-1)), np.int64, len(storage))
-    infos = list(storage.values())
-    paths: list[Any] = list(map(_relative_path, infos))
-    descriptors = list(map(getattr, infos, itertools.repeat("transform_descriptors"), itertools.repeat(None)))
-    if any(descriptors):  # torch >= 2.7
-        paths = [(path, tuple(d)) if d else path for path, d in zip(paths, descriptors)]
-    # a path, or (path, descriptors); sorted, so that every way of building an index numbers files alike
-    names = {name: i for i, name in enumerate(sorted(dict.fromkeys(paths), key=str))}
-    chunk = found >= 0
-    file[found[chunk]] = np.fromiter(map(names.__getitem__, paths), np.int64, len(paths))[chunk]
-    offset[found[chunk]] = np.fromiter(map(_offset, infos), np.int64, len(infos))[chunk]
-    length[found[chunk]] = np.fromiter(map(_length, infos), np.int64, len(infos))[chunk]
-    return file, offset, length, [name if isinstance(name, tuple) else (name, None) for name in names]
-
-
-def _check_dims(
-    rows: Sequence[Sequence[int]], ndim: np.ndarray, saved: Sequence[str], base: np.ndarray, where: str
-) -> None:
-    """Refuse a chunk whose offsets or sizes have another length than its tensor's dimensions."""
-    wrong = np.flatnonzero(np.fromiter(map(len, rows), np.int64, len(rows)) != ndim)
-    if len(wrong):
-        key = saved[int(np.searchsorted(base, wrong[0], side="right") - 1)]
-        raise CorruptCheckpointError(
-            f"{where}: .metadata lists a chunk of {key!r} with another number of dimensions than the tensor; "
-            "it is damaged"
-        )
-
-
-def padded(rows: Sequence[Sequence[int]], ndim: np.ndarray, dims: int, fill: int) -> np.ndarray:
-    """``rows`` of ``ndim`` ints each as one (rows, dims) array, padded with ``fill`` (no step per row)."""
-    out = np.full((len(rows), dims), fill, np.int64)
-    out[np.arange(dims) < ndim[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(ndim.sum()))
-    return out
-
-
-# ----------------------------------------------------------------------------- the file
-def encode(index: ChunkIndex, metadata: FileRecord) -> bytes:
-    """The bytes of ``.chunk_index`` for ``index``, written beside the ``.metadata`` that ``metadata`` records."""
-    names, name_ends = _blob(index.keys)
-    files, file_ends = _blob([path for path, _ in index.files])
-    dtypes = sorted({d for d in index.dtypes if d is not None})
-    code = {d: i for i, d in enumerate(dtypes)}
-    shape_ends = np.cumsum(np.fromiter(map(len, index.shapes), np.int64, len(index.shapes)), dtype=np.int64)
-    header = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "metadata_size": str(metadata.size),
-        "metadata_xxh3": metadata.xxh3_64,
-        "tensors": str(len(index.keys)),
-        "rows": str(len(index.file)),
-        "dtypes": json.dumps(dtypes),
-    }
-    if any(d is not None for _, d in index.files):
-        header["descriptors"] = json.dumps([None if d is None else list(d) for _, d in index.files])
-    arrays = {
-        "key_names": names,
-        "key_ends": name_ends,
-        "dtype": np.array([-1 if d is None else code[d] for d in index.dtypes], np.int8),
-        "shape_ends": shape_ends,
-        "shapes": np.fromiter(itertools.chain.from_iterable(index.shapes), np.int64),
-        "first_row": index.first_row.astype(np.int64),
-        "starts": np.ascontiguousarray(index.starts, np.int64),
-        "sizes": np.ascontiguousarray(index.sizes, np.int64),
-        "file": index.file.astype(np.int32),
-        "offset": index.offset.astype(np.int64),
-        "length": index.length.astype(np.int64),
-        "file_names": files,
-        "file_ends": file_ends,
-    }
-    return safetensors.numpy.save(arrays, metadata=header)
-
-
-def _blob(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoded = [name.encode("utf-8", "surrogatepass") for name in names]
-    ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), dtype=np.int64)
-    return np.frombuffer(b"".join(encoded), np.uint8).copy(), ends
-
-
+_VERSION = "1"
 _COLUMNS = {  # name: (dtype, ndim)
     "key_names": (np.uint8, 1),
     "key_ends": (np.int64, 1),
@@ -294,233 +116,53 @@ _COLUMNS = {  # name: (dtype, ndim)
 }
 
 
+# ----------------------------------------------------------------------------- the file, version 1
+def encode(index: ChunkIndex, metadata: FileRecord) -> bytes:
+    """The bytes of a version-1 ``.chunk_index`` for ``index``, beside the ``.metadata`` that ``metadata`` records.
+
+    Saves write version 2 (:func:`~shardpoint.formats.chunk_rows.encode_split`); this
+    one is kept for the checkpoints that hold it, and for tests that craft them.
+    """
+    arrays, found = outline_columns(index, metadata, _VERSION)
+    arrays.update(
+        starts=np.ascontiguousarray(index.starts, np.int64),
+        sizes=np.ascontiguousarray(index.sizes, np.int64),
+        file=index.file.astype(np.int32),
+        offset=index.offset.astype(np.int64),
+        length=index.length.astype(np.int64),
+    )
+    return safetensors.numpy.save(arrays, metadata=found)
+
+
 def decode(data: bytes, name: str, metadata: FileRecord | None, size_of: Callable[[str], int]) -> ChunkIndex:
-    """``data``, the bytes of an index, as a :class:`ChunkIndex`, every column checked before it is used.
+    """``data``, the bytes of a version-1 index, as a :class:`ChunkIndex`, every column checked before it is used.
 
     ``name``: the index, for messages; ``metadata``: the marker's record of ``.metadata``,
     which the index must record as the file written with it; ``size_of(file)``: the
-    size of a file the index names, raising for one the marker does not list.
+    size of a file the index names, raising for one the marker does not list. The
+    columns are views of ``data``.
 
     Raises:
         CorruptCheckpointError: naming ``name``: not an index, an index of another
         ``.metadata``, or a column that contradicts another or the files it names.
     """
-    header = _header(data, name)
-    if (
-        metadata is None
-        or header.get("metadata_xxh3") != metadata.xxh3_64
-        or header.get("metadata_size") != str(metadata.size)
-    ):
-        raise CorruptCheckpointError(
-            f"{name} records another .metadata than the one this checkpoint lists (copied from another "
-            f"checkpoint, or damaged); refusing to plan from it. {_FIX}"
-        )
-    return _checked(_columns(data, name), header, name, size_of)
-
-
-_CODES = {np.uint8: "U8", np.int8: "I8", np.int32: "I32", np.int64: "I64"}  # safetensors' names
-#: as stored (little-endian); numpy's own order where that is it, since a dtype marked '<' takes slower loops
-_STORED = {d: np.dtype(d) if sys.byteorder == "little" else np.dtype(d).newbyteorder("<") for d in _CODES}
-
-
-def _columns(data: bytes, name: str) -> dict[str, np.ndarray]:
-    """Each column as a read-only view of ``data``, its dtype, shape and byte range checked against the file.
-
-    Views, not safetensors' loader, which copies every array: at 16,384 ranks × 300
-    tensors the index is 256 MB, and the copy was a third of rank 0's time to decode it
-    and doubled its memory. Each array's range must lie in the data section and hold
-    exactly its shape's bytes, as safetensors checks; the columns' values are checked
-    by :func:`_checked`.
-    """
-    (length,) = struct.unpack_from("<Q", data)  # _header checked it fits
-    table = parse_json_object(bytes(data[8 : 8 + length]), name, "chunk index header")
-    start, size = 8 + length, len(data) - 8 - length
-    arrays = {}
-    for column, (dtype, ndim) in _COLUMNS.items():
-        entry = table.get(column)
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        at = entry.get("data_offsets") if isinstance(entry, dict) else None
-        fine = isinstance(entry, dict) and entry.get("dtype") == _CODES[dtype]
-        fine = fine and isinstance(shape, list) and len(shape) == ndim and all(type(n) is int and n >= 0 for n in shape)
-        fine = fine and isinstance(at, list) and len(at) == 2 and all(type(n) is int for n in at)
-        count = math.prod(shape) if fine else 0  # type: ignore[arg-type]  # a list of ints, checked above
-        fine = fine and 0 <= at[0] <= at[1] <= size and at[1] - at[0] == count * np.dtype(dtype).itemsize  # type: ignore[index]
-        if not fine:
-            raise CorruptCheckpointError(f"{name}: column {column!r} is missing or malformed; it is damaged. {_FIX}")
-        flat = np.frombuffer(data, _STORED[dtype], count, start + at[0]) if count else np.zeros(0, dtype)  # type: ignore[index]
-        arrays[column] = flat.reshape(shape).astype(dtype, copy=False)  # a copy only on a big-endian machine
-    return arrays
-
-
-def _header(data: bytes, name: str) -> dict[str, Any]:
-    """The ``__metadata__`` of the index's header (strings only), checked for format and version."""
-    if len(data) < 8:
-        raise CorruptCheckpointError(f"{name} is shorter than any index; it is damaged. {_FIX}")
-    (length,) = struct.unpack_from("<Q", data)
-    if length > len(data) - 8:
-        raise CorruptCheckpointError(f"{name}: its header runs past the file's end; it is damaged. {_FIX}")
-    header = parse_json_object(bytes(data[8 : 8 + length]), name, "chunk index header").get("__metadata__")
-    if not isinstance(header, dict) or header.get("format") != _FORMAT or header.get("version") != _VERSION:
-        raise CorruptCheckpointError(f"{name} is not a shardpoint chunk index of version {_VERSION}. {_FIX}")
-    return header
-
-
-def _checked(
-    arrays: dict[str, np.ndarray], header: dict[str, Any], name: str, size_of: Callable[[str], int]
-) -> ChunkIndex:
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{name}: {what}; the index is damaged or crafted. {_FIX}")
-
-    keys = _names(arrays["key_names"], arrays["key_ends"], name, "key")
-    paths = _names(arrays["file_names"], arrays["file_ends"], name, "file")
-    tensors, rows = len(keys), len(arrays["file"])
-    if header.get("tensors") != str(tensors) or header.get("rows") != str(rows):
-        raise bad("its counts of tensors and chunks differ from its columns")
-    if keys != sorted(set(keys)):
-        raise bad("its keys are not sorted and distinct")
-    dtypes = _dtypes(arrays["dtype"], header, tensors, bad)
-    shapes = _shapes(arrays["shape_ends"], arrays["shapes"], tensors, bad)
-    first_row = arrays["first_row"]
-    if len(first_row) != tensors + 1 or (tensors + 1 and (first_row[0] != 0 or first_row[-1] != rows)):
-        raise bad("its row ranges do not cover its chunks")
-    counts = np.diff(first_row)
-    if (counts < 0).any() or any(dtype is None and count for dtype, count in zip(dtypes, counts.tolist())):
-        raise bad("a row range is negative, or a bytes item has chunks")
-    files = _files(paths, header, bad)
-    placement = (arrays["file"], arrays["offset"], arrays["length"])
-    index = ChunkIndex(keys, dtypes, shapes, first_row, arrays["starts"], arrays["sizes"], *placement, files)
-    _check_chunks(index, counts, bad)
-    _check_within_files(index, size_of, bad)
+    found = header(data, name, (_VERSION,))
+    check_metadata_record(found, metadata, name)
+    arrays = columns(data, name, _COLUMNS)
+    outlined = check_outline(arrays, found, name, len(arrays["file"]))
+    placement = (arrays["starts"], arrays["sizes"], arrays["file"], arrays["offset"], arrays["length"])
+    keys, dtypes, shapes, first_row = outlined.keys, outlined.dtypes, outlined.shapes, outlined.first_row
+    index = ChunkIndex(keys, dtypes, shapes, first_row, *placement, outlined.files)
+    bad = complaint(name)
+    check_chunks(index, outlined.counts, bad)
+    check_within_files(index, file_sizes(index.files, size_of), bad)
     return index
 
 
-def _names(blob: np.ndarray, ends: np.ndarray, name: str, what: str) -> list[str]:
-    if len(ends) and ((np.diff(ends) < 0).any() or ends[0] < 0 or ends[-1] != len(blob)):
-        raise CorruptCheckpointError(f"{name}: its {what} names do not fit their table; it is damaged. {_FIX}")
-    if not len(ends) and len(blob):
-        raise CorruptCheckpointError(f"{name}: its {what} names do not fit their table; it is damaged. {_FIX}")
-    try:
-        text = blob.tobytes().decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError:
-        raise CorruptCheckpointError(f"{name}: a {what} name is not UTF-8; it is damaged. {_FIX}") from None
-    raw, bounds = blob.tobytes(), [0, *ends.tolist()]
-    if len(text) == len(raw):  # ASCII: characters are bytes
-        return [text[a:b] for a, b in itertools.pairwise(bounds)]
-    try:
-        return [raw[a:b].decode("utf-8", "surrogatepass") for a, b in itertools.pairwise(bounds)]
-    except UnicodeDecodeError:
-        message = f"{name}: a {what} name is cut inside a character; it is damaged. {_FIX}"
-        raise CorruptCheckpointError(message) from None
-
-
-def _dtypes(codes: np.ndarray, header: dict[str, Any], tensors: int, bad: Callable[[str], Exception]) -> list:
-    try:
-        names = json.loads(header.get("dtypes", "[]"))
-    except (TypeError, ValueError):
-        names = None
-    if not isinstance(names, list) or not all(isinstance(n, str) and n in _DTYPES for n in names):
-        raise bad("its dtypes are not torch dtypes")
-    if len(codes) != tensors or (len(codes) and (codes.min() < -1 or codes.max() >= len(names))):
-        raise bad("a tensor's dtype code is out of range")
-    return [None if c < 0 else names[c] for c in codes.tolist()]
-
-
-def _shapes(ends: np.ndarray, flat: np.ndarray, tensors: int, bad: Callable[[str], Exception]) -> list:
-    if len(ends) != tensors or (tensors and ((np.diff(ends) < 0).any() or ends[0] < 0 or ends[-1] != len(flat))):
-        raise bad("its shapes do not fit their table")
-    if len(flat) and (flat.min() < 0 or flat.max() >= _LIMIT):
-        raise bad("a shape is negative or impossible")
-    values, bounds = flat.tolist(), [0, *ends.tolist()]
-    return [tuple(values[a:b]) for a, b in itertools.pairwise(bounds)]
-
-
-def _files(paths: list[str], header: dict[str, Any], bad: Callable[[str], Exception]) -> list[File]:
-    if "descriptors" not in header:
-        return [(path, None) for path in paths]
-    try:
-        listed = json.loads(header["descriptors"])
-    except (TypeError, ValueError):
-        listed = None
-    fine = isinstance(listed, list) and len(listed) == len(paths)
-    fine = fine and all(d is None or (isinstance(d, list) and all(isinstance(s, str) for s in d)) for d in listed)
-    if not fine:
-        raise bad("its transform descriptors do not fit its files")
-    return [(path, None if d is None else tuple(d)) for path, d in zip(paths, listed)]
-
-
-def _check_chunks(index: ChunkIndex, counts: np.ndarray, bad: Callable[[str], Exception]) -> None:
-    """Each chunk inside its tensor, with sizes and offsets that are counts; the padding as it is written."""
-    rows, dims = len(index.file), max([1, *map(len, index.shapes)])
-    starts, sizes = index.starts, index.sizes
-    if starts.shape != sizes.shape or starts.shape[0] != rows or starts.shape[1] < dims:
-        raise bad("its chunk boxes do not fit its tensors")
-    if not rows:
-        return
-    width = starts.shape[1]
-    dims_of = np.fromiter(map(len, index.shapes), np.int64, len(index.shapes))
-    shape = padded(index.shapes, dims_of, width, 1)
-    if min(starts.min(), sizes.min()) < 0 or max(starts.max(), sizes.max()) >= _LIMIT:
-        raise bad("a chunk has a negative or impossible offset or size")
-    for d in range(width):  # a dimension at a time: no (rows, width) temporaries (4.9 million rows at 16,384 ranks)
-        padding = np.repeat(dims_of <= d, counts)
-        if (starts[padding, d] != 0).any() or (sizes[padding, d] != 1).any():
-            raise bad("a chunk has more dimensions than its tensor")
-        if (starts[:, d] + sizes[:, d] > np.repeat(shape[:, d], counts)).any():
-            raise bad("a chunk lies outside its tensor")
-    if index.file.min() < -1 or index.file.max() >= len(index.files):
-        raise bad("a chunk names a file it does not list")
-    if min(index.offset.min(), index.length.min()) < 0 or max(index.offset.max(), index.length.max()) >= _LIMIT:
-        raise bad("a chunk has a negative or impossible offset or length in its file")
-
-
-def _check_within_files(index: ChunkIndex, size_of: Callable[[str], int], bad: Callable[[str], Exception]) -> None:
-    """Each item within its file; all tensors together no bigger than the files (what a load allocates).
-
-    As :func:`~shardpoint.formats.dcp_metadata.check_stored_items` does for ``.metadata``:
-    a crafted index must not send a read outside the checkpoint or size a buffer from a
-    made-up number. ``size_of`` raises for a file the marker does not list.
-    """
-    used = index.file >= 0
-    ends = np.zeros(len(index.files), np.int64)
-    np.maximum.at(ends, index.file[used], index.offset[used] + index.length[used])
-    total = 0
-    for (path, _), end in zip(index.files, ends.tolist()):
-        size = size_of(path)
-        if end > size:
-            raise bad(f"it places stored bytes of {path} up to byte {end}, past its {size} bytes")
-        total += size
-    itemsize = [0 if d is None else _DTYPES[d].itemsize for d in index.dtypes]
-    whole = sum(float(math.prod(shape)) * n for shape, n in zip(index.shapes, itemsize))
-    counts = np.diff(index.first_row)
-    volume = np.repeat(np.array(itemsize, np.float64), counts)
-    for d in range(index.sizes.shape[1]):  # a column at a time: a product over a short axis is slower
-        volume *= index.sizes[:, d]
-    chunks = float(volume.sum())
-    if max(whole, chunks) > total:
-        raise bad(f"it describes more tensor bytes than the {total} bytes stored; nothing was allocated for them")
-
-
-def read(open_stream: Callable[[], Any], record: FileRecord, name: str) -> bytes:
-    """The index's bytes from storage, refused unless their size and XXH3 are the marker's ``record``.
-
-    Checked whatever the load's ``verify`` says: the index decides where every read
-    goes, and hashing it costs little next to reading it.
-    """
-    with open_stream() as stream:
-        data = stream.read(record.size + 1)
-    index_reads.bytes += len(data)
-    index_reads.reads += 1
-    if len(data) != record.size or xxhash.xxh3_64_hexdigest(data) != record.xxh3_64:
-        raise CorruptCheckpointError(
-            f"{name} is damaged: checksum mismatch (the contents changed after saving). {_FIX}"
-        )
-    return data
-
-
 # ----------------------------------------------------------------------------- saving and sharing
-def write(writer: Any, data: bytes) -> None:
-    """Write the index through a DCP writer's filesystem (which records its size and checksum), durably."""
-    path = writer.fs.concat_path(writer.path, INDEX_NAME)
+def write(writer: Any, data: bytes, name: str = INDEX_NAME) -> None:
+    """Write an index file (``name``) through a DCP writer's filesystem, which records its checksum; durably."""
+    path = writer.fs.concat_path(writer.path, name)
     with writer.fs.create_stream(path, "wb") as stream:
         stream.write(data)
         if getattr(writer, "sync_files", False):
@@ -532,8 +174,9 @@ def share_outline(reader: Any, listed: Mapping[str, FileRecord]) -> tuple[Metada
 
     ``reader``: a DCP reader (its ``fs`` and ``path``); ``listed``: the marker's files.
     Returns the outline as DCP metadata without chunks, and on rank 0 the whole index
-    (None elsewhere). A failure on rank 0 is raised on every rank, as the same class.
-    Nothing is unpickled on any rank.
+    (None elsewhere). Version 2 is read as its head, then every key's rows in one
+    ranged read of ``.chunk_rows``, each key checked against its checksum. A failure
+    on rank 0 is raised on every rank, as the same class. Nothing is unpickled on any rank.
     """
     where = str(reader.path)
     name = f"{where}/{INDEX_NAME}"
@@ -543,12 +186,16 @@ def share_outline(reader: Any, listed: Mapping[str, FileRecord]) -> tuple[Metada
         record = listed_record(listed, INDEX_NAME, where, "the dist format")
         path = reader.fs.concat_path(reader.path, INDEX_NAME)
         data = read(lambda: reader.fs.create_stream(path, "rb"), record, name)
-
-        def size_of(file: str) -> int:
-            return listed_record(listed, file, where, INDEX_NAME).size
-
-        kept["index"] = index = decode(data, name, listed.get(DCP_METADATA), size_of)
-        return index.outline
+        size_of = chunk_rows.sized(dict(listed), where)
+        if header(data, name, (_VERSION, chunk_rows.VERSION))["version"] == _VERSION:
+            if ROWS_NAME in listed:  # nothing would read (and check) them: a version-2 head was replaced
+                raise complaint(name)(f"it is of version 1, which has no {ROWS_NAME} beside it")
+            kept["index"] = decode(data, name, listed.get(DCP_METADATA), size_of)
+        else:
+            head = chunk_rows.decode_head(data, name, listed.get(DCP_METADATA), size_of)
+            read_range = chunk_rows.range_reader(reader.fs, reader.fs.concat_path(reader.path, ROWS_NAME))
+            kept["index"] = chunk_rows.read_rows(read_range, head, 0, len(head.keys), f"{where}/{ROWS_NAME}", size_of)
+        return kept["index"].outline
 
     outline = comm.from_root(read_and_check, "reading the chunk index")
     return outline.metadata(), kept.get("index")

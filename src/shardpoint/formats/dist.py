@@ -67,6 +67,7 @@ from shardpoint.formats.base import (
 )
 from shardpoint.formats.batched_writes import write_plan
 from shardpoint.formats.chunk_index import INDEX_NAME
+from shardpoint.formats.chunk_rows import ROWS_NAME
 from shardpoint.formats.dcp_errors import dcp_errors
 from shardpoint.formats.dcp_metadata import DCP_METADATA, SafeMetadata
 from shardpoint.formats.dcp_read import StreamingReads
@@ -393,14 +394,16 @@ class DistFormat:
         with dcp_errors(ctx.directory):
             if not dist_save.finish(ctx, writer, parts):
                 return {}  # dcp.save wrote it
-        return {name: writer.records()[name] for name in (DCP_METADATA, INDEX_NAME)}
+        records = writer.records()
+        return {name: records[name] for name in (DCP_METADATA, INDEX_NAME, ROWS_NAME) if name in records}
 
     def files_read_by_all(self, meta: CheckpointMetadata) -> list[str]:
         return sorted(meta.files)
 
     def checksummed_while_reading(self, meta: CheckpointMetadata) -> set[str]:
-        """DCP's data files (see dcp_read), ``.metadata`` and the chunk index (load_parts.share_outline)."""
-        return {name for name in meta.files if name.endswith(".distcp") or name in (DCP_METADATA, INDEX_NAME)}
+        """DCP's data files (see dcp_read), ``.metadata`` and the chunk index's files (load_parts.share_outline)."""
+        index = (DCP_METADATA, INDEX_NAME, ROWS_NAME)
+        return {name for name in meta.files if name.endswith(".distcp") or name in index}
 
     def load(self, ctx: FormatContext, flat: FlatState, meta: CheckpointMetadata) -> Loaded:
         """Four rounds at any rank count: the outline, the plan (gathered, then each rank's part), the reads.

@@ -69,7 +69,7 @@ class SavePlanCache:
     results: list[WriteResult] | None = None
     records: list[Any] | None = None  # rank 0: every rank's RankRecords of the last planned save
     metadata_chunks: list[bytes | memoryview] | None = None  # rank 0: the ``.metadata`` stream assembled from them
-    index: bytes | None = None  # rank 0: the chunk index written with it (formats.chunk_index)
+    index: tuple[bytes, bytes] | None = None  # rank 0: the chunk index written with it (head, rows: formats.chunk_rows)
     replicas: Any = None  # the last full replica check's ReplicaReport: shared boxes, the job's size
     replay: bool = False
     captured: dict[str, Any] = field(default_factory=dict)

@@ -18,7 +18,8 @@ So each rank writes its own plan with DCP's writer and sends rank 0 its
 makes anyway; rank 0 writes ``.metadata`` from them
 (:func:`~shardpoint.formats.metadata_records.assemble`), the same ``Metadata`` that
 ``dcp.save`` writes, read by plain ``dcp.load``, and beside it the same chunks as
-arrays (:mod:`~shardpoint.formats.chunk_index`), which shardpoint's loads read instead.
+arrays, which shardpoint's loads read instead: the index's head (``.chunk_index``) and
+its rows (``.chunk_rows``, :mod:`~shardpoint.formats.chunk_rows`).
 A save of an unchanged structure replays the cached plan (:mod:`shardpoint.formats.dist_replay`).
 
 Saves without a replica verdict (node-local saves, which plan per node) still run
@@ -36,12 +37,14 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from shardpoint.formats import chunk_index
 from shardpoint.formats.base import FormatContext
+from shardpoint.formats.chunk_index import INDEX_NAME
+from shardpoint.formats.chunk_rows import ROWS_NAME, encode_split
 from shardpoint.formats.dcp_metadata import DCP_METADATA
 from shardpoint.formats.dist_replay import SavePlanCache, write_metadata, write_with_plan
 from shardpoint.formats.metadata_records import RankRecords, assemble_with_index, encode
 from shardpoint.parallel import comm
 
-__all__ = ["finish", "index_after_dcp", "local_plan", "save_with_dcp", "write"]
+__all__ = ["finish", "index_after_dcp", "local_plan", "save_with_dcp", "write", "write_index"]
 
 
 def write(
@@ -103,15 +106,22 @@ def finish(ctx: FormatContext, writer: Any, parts: list[RankRecords | None]) -> 
     if cache.replay and all(part is None for part in parts):  # storage records as they were: the same bytes
         assert cache.metadata_chunks is not None and cache.index is not None
         write_metadata(writer, cache.metadata_chunks)
-        chunk_index.write(writer, cache.index)  # it records the same .metadata
+        write_index(writer, cache.index)  # it records the same .metadata
         return True
     records = [new if new is not None else old for new, old in zip(parts, cache.records or parts)]
     chunks, index = assemble_with_index(records)
     write_metadata(writer, chunks)
-    data = chunk_index.encode(index, writer.records()[DCP_METADATA])
-    chunk_index.write(writer, data)
-    cache.captured.update(records=records, metadata_chunks=chunks, index=data)
+    files = encode_split(index, writer.records()[DCP_METADATA])
+    write_index(writer, files)
+    cache.captured.update(records=records, metadata_chunks=chunks, index=files)
     return True
+
+
+def write_index(writer: Any, files: tuple[bytes, bytes]) -> None:
+    """Write the index's head (``.chunk_index``) and rows (``.chunk_rows``), durably, through ``writer``."""
+    head, rows = files
+    chunk_index.write(writer, rows, ROWS_NAME)  # the rows first: a head is never on storage without its rows
+    chunk_index.write(writer, head, INDEX_NAME)
 
 
 def index_after_dcp(writer: Any, where: str) -> None:
@@ -125,4 +135,4 @@ def index_after_dcp(writer: Any, where: str) -> None:
         return
     writer.metadata = None  # not held past the save
     record = writer.records()[DCP_METADATA]
-    chunk_index.write(writer, chunk_index.encode(chunk_index.ChunkIndex.from_metadata(metadata, where), record))
+    write_index(writer, encode_split(chunk_index.ChunkIndex.from_metadata(metadata, where), record))

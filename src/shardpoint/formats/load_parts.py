@@ -41,6 +41,7 @@ from shardpoint.errors import CorruptCheckpointError, TopologyMismatchError
 from shardpoint.formats import chunk_index, dcp_metadata, read_plan
 from shardpoint.formats.base import FormatContext, size_difference, unexpected_keys, wanted_keys
 from shardpoint.formats.chunk_index import INDEX_NAME, ChunkIndex, padded, tensor_of
+from shardpoint.formats.chunk_rows import ROWS_NAME
 from shardpoint.formats.shared_reads import Assignment
 from shardpoint.parallel import comm
 from shardpoint.state.sharding import Shard
@@ -92,7 +93,7 @@ def check_metadata_beside_index(reader: Any, listed: Mapping[str, FileRecord], c
         return set()
     if comm.rank() == comm.world_size() - 1:
         reader.read_metadata_bytes()  # size and checksum against the marker; raises naming .metadata
-    return {INDEX_NAME} if isinstance(chunks, ChunkIndex) else set()
+    return {INDEX_NAME, ROWS_NAME} & set(listed) if isinstance(chunks, ChunkIndex) else set()  # ROWS_NAME: version 2
 
 
 def width(outline: Metadata) -> int:

@@ -1,0 +1,227 @@
+"""``.chunk_index`` version 2 and ``.chunk_rows``: a planner reads only its keys' rows, checked by key (issue 59).
+
+The format's own checks on a small index built here (round trips over every key range,
+flipped, copied and crafted rows), then a real 2-rank save and load: the marker lists
+both files, and a flipped byte in the rows fails the load on every rank by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import shardpoint as sp
+from shardpoint.catalog.metadata import FileRecord
+from shardpoint.formats import chunk_index, chunk_rows
+from shardpoint.formats.chunk_index import INDEX_NAME, ChunkIndex
+from shardpoint.formats.chunk_rows import ROWS_NAME, decode_head, encode_split, read_rows
+from tests import toy
+from tests.distributed import launch
+
+METADATA = FileRecord(size=1234, xxh3_64="0123456789abcdef")
+FILES = {"__0_0.distcp": 4096, "__1_0.distcp": 4096}
+
+
+def _index(offset_shift: int = 0) -> ChunkIndex:
+    """Four keys: a matrix in two row blocks, a bytes item, a vector, a 3-d tensor in three blocks (width 3)."""
+    keys = ["a", "b", "c", "d"]
+    dtypes = ["torch.float32", None, "torch.int64", "torch.bfloat16"]
+    shapes = [(4, 6), (), (10,), (3, 4, 5)]
+    starts = [[0, 0, 0], [2, 0, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [2, 0, 0]]
+    sizes = [[2, 6, 1], [2, 6, 1], [10, 1, 1], [1, 4, 5], [1, 4, 5], [1, 4, 5]]
+    file = [0, 1, 0, 0, 1, 1]
+    offset = [0, 0, 48, 128, 48, 88]
+    length = [48, 48, 80, 40, 40, 40]
+    return ChunkIndex(
+        keys,
+        dtypes,  # type: ignore[arg-type]
+        shapes,
+        np.array([0, 2, 2, 3, 6], np.int64),
+        np.array(starts, np.int64),
+        np.array(sizes, np.int64),
+        np.array(file, np.int32),
+        np.array(offset, np.int64) + offset_shift,
+        np.array(length, np.int64),
+        [(name, None) for name in FILES],
+    )
+
+
+def _size_of(rows: bytes):
+    listed = {**FILES, ROWS_NAME: len(rows)}
+
+    def size_of(name: str) -> int:
+        if name not in listed:
+            raise sp.CorruptCheckpointError(f"{name} is not listed")
+        return listed[name]
+
+    return size_of
+
+
+class Ranged:
+    """``read_range`` over bytes in memory, counting its calls."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.calls = data, 0
+
+    def __call__(self, start: int, length: int) -> bytes:
+        self.calls += 1
+        return self.data[start : start + length]
+
+
+def _read(head_bytes: bytes, rows: bytes, k0: int, k1: int, ranged: Ranged | None = None) -> ChunkIndex:
+    head = decode_head(head_bytes, INDEX_NAME, METADATA, _size_of(rows))
+    return read_rows(ranged or Ranged(rows), head, k0, k1, ROWS_NAME, _size_of(rows))
+
+
+def test_every_key_range_reads_back_the_rows_of_the_whole_index_with_one_ranged_read():
+    index = _index()
+    head_bytes, rows = encode_split(index, METADATA)
+    head = decode_head(head_bytes, INDEX_NAME, METADATA, _size_of(rows))
+    assert (head.keys, head.dtypes, head.shapes, head.width, head.files) == (
+        index.keys,
+        index.dtypes,
+        index.shapes,
+        3,
+        index.files,
+    )
+    assert len(rows) == 6 * chunk_rows.record_dtype(3).itemsize
+    for k0 in range(5):
+        for k1 in range(k0, 5):
+            ranged = Ranged(rows)
+            sub = read_rows(ranged, head, k0, k1, ROWS_NAME, _size_of(rows))
+            assert ranged.calls == 1, (k0, k1)
+            r0, r1 = index.first_row[k0], index.first_row[k1]
+            assert sub.keys == index.keys[k0:k1] and sub.shapes == index.shapes[k0:k1] and sub.files == index.files
+            assert np.array_equal(sub.first_row, index.first_row[k0 : k1 + 1] - r0)
+            for column in ("starts", "sizes", "file", "offset", "length"):
+                assert np.array_equal(getattr(sub, column), getattr(index, column)[r0:r1]), (k0, k1, column)
+            assert sub.file.dtype == np.int32 and sub.starts.dtype == np.int64
+
+
+def test_the_rows_are_views_of_the_bytes_read():
+    head_bytes, rows = encode_split(_index(), METADATA)
+    sub = _read(head_bytes, rows, 0, 4)
+    for column in ("starts", "sizes", "offset", "length"):
+        assert not getattr(sub, column).flags.owndata, column
+
+
+def test_a_flipped_byte_in_one_keys_rows_is_refused_naming_the_file_and_key_and_the_others_still_read():
+    head_bytes, rows = encode_split(_index(), METADATA)
+    size = chunk_rows.record_dtype(3).itemsize
+    damaged = bytearray(rows)
+    damaged[3 * size + 5] ^= 0x01  # in "d"'s first row
+    with pytest.raises(sp.CorruptCheckpointError, match="rows of 'd' fail their checksum") as caught:
+        _read(head_bytes, bytes(damaged), 0, 4)
+    assert ROWS_NAME in str(caught.value) and "fallback=True" in str(caught.value)
+    assert _read(head_bytes, bytes(damaged), 0, 3).keys == ["a", "b", "c"]
+
+
+def test_a_short_read_is_refused_by_name():
+    head_bytes, rows = encode_split(_index(), METADATA)
+    head = decode_head(head_bytes, INDEX_NAME, METADATA, _size_of(rows))
+    with pytest.raises(sp.CorruptCheckpointError, match=r"shorter than written") as caught:
+        read_rows(lambda start, length: rows[start : start + length - 1], head, 2, 4, ROWS_NAME, _size_of(rows))
+    assert ROWS_NAME in str(caught.value) and "'c'" in str(caught.value)
+
+
+def test_a_head_recording_another_metadata_is_refused():
+    head_bytes, rows = encode_split(_index(), METADATA)
+    other = FileRecord(size=METADATA.size, xxh3_64="f" * 16)
+    with pytest.raises(sp.CorruptCheckpointError, match="records another .metadata") as caught:
+        decode_head(head_bytes, INDEX_NAME, other, _size_of(rows))
+    assert INDEX_NAME in str(caught.value)
+
+
+def test_rows_copied_from_another_checkpoint_of_the_same_size_are_refused_by_checksum():
+    head_bytes, rows = encode_split(_index(), METADATA)
+    _, other = encode_split(_index(offset_shift=8), METADATA)
+    assert len(other) == len(rows) and other != rows
+    with pytest.raises(sp.CorruptCheckpointError, match="rows of 'a' fail their checksum"):
+        _read(head_bytes, other, 0, 4)
+
+
+def test_a_rows_file_of_another_size_than_the_head_describes_is_refused():
+    head_bytes, rows = encode_split(_index(), METADATA)
+    with pytest.raises(sp.CorruptCheckpointError, match=f"lists {ROWS_NAME} of"):
+        decode_head(head_bytes, INDEX_NAME, METADATA, _size_of(rows + b"\0" * 8))
+
+
+def _crafted(column: str, row: int, value, dim: int | None = None) -> ChunkIndex:
+    index = _index()
+    array = getattr(index, column)
+    if dim is None:
+        array[row] = value
+    else:
+        array[row, dim] = value
+    return index
+
+
+@pytest.mark.parametrize(
+    "index, said",
+    [
+        (_crafted("file", 2, 2), "names a file it does not list"),
+        (_crafted("file", 2, -2), "names a file it does not list"),
+        (_crafted("starts", 0, 3, 0), "outside its tensor"),
+        (_crafted("sizes", 2, 11, 0), "outside its tensor"),
+        (_crafted("offset", 5, 4096), "past its 4096 bytes"),
+        (_crafted("length", 0, -1), "negative or impossible"),
+        (_crafted("starts", 2, 1, 1), "more dimensions than its tensor"),
+        (_crafted("sizes", 2, 2, 2), "more dimensions than its tensor"),
+    ],
+)
+def test_crafted_rows_with_matching_checksums_are_refused_by_name(index, said):
+    """As an attacker writes them: the head's checksums are the crafted rows' own."""
+    head_bytes, rows = encode_split(index, METADATA)
+    with pytest.raises(sp.CorruptCheckpointError, match=said) as caught:
+        _read(head_bytes, rows, 0, 4)
+    assert ROWS_NAME in str(caught.value)
+
+
+def test_a_version_1_index_is_not_taken_for_a_head():
+    with pytest.raises(sp.CorruptCheckpointError, match="not a shardpoint chunk index of version 2"):
+        decode_head(chunk_index.encode(_index(), METADATA), INDEX_NAME, METADATA, _size_of(b""))
+
+
+# ----------------------------------------------------------------------------- a real save and load
+def _save_and_load(rank: int, world: int, root: str, damage: bool, fallback: bool):
+    topo = sp.Topology(1, 1, world)
+    toy.seed_rng(topo)
+    state = toy.build(topo)
+    with sp.Checkpointer(root, topology=topo, keep_last=0) as ckpt:
+        for step in (1, 2):
+            toy.train_step(state, step)
+            ckpt.save(step, state)
+    last = sorted(Path(root).glob("iter_*"))[-1]
+    listed = json.loads((last / "shardpoint.json").read_text())["files"]
+    if rank == 0 and damage:
+        raw = bytearray((last / ROWS_NAME).read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        (last / ROWS_NAME).write_bytes(bytes(raw))
+    torch.distributed.barrier()
+    fresh = toy.build(topo)
+    try:
+        result = sp.Checkpointer(root, topology=topo).load(fresh, fallback=fallback)
+    except sp.CheckpointError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    saved, loaded = toy.snapshot(state)["tensors"], toy.snapshot(fresh)["tensors"]
+    same = all(torch.equal(saved[k][2], loaded[k][2]) for k in saved)
+    rows = listed.get(ROWS_NAME, {})
+    sealed = rows.get("xxh3_64") == xxhash.xxh3_64((last / ROWS_NAME).read_bytes()).hexdigest()
+    return {"iteration": result.iteration, "same": same, "listed": sorted(listed), "sealed": sealed}
+
+
+def test_a_save_lists_both_files_and_a_flipped_byte_in_the_rows_fails_the_load_on_every_rank(tmp_path):
+    """Two real ranks: the rows are listed and sealed; damaged, every rank refuses by name, fallback loads 1."""
+    clean = launch(_save_and_load, 2, str(tmp_path / "clean"), False, False)
+    assert [r["iteration"] for r in clean] == [2, 2] and all(r["same"] for r in clean), clean
+    assert all({INDEX_NAME, ROWS_NAME} <= set(r["listed"]) and r["sealed"] for r in clean), clean
+    damaged = launch(_save_and_load, 2, str(tmp_path / "damaged"), True, False)
+    assert {r.get("error") for r in damaged} == {"CorruptCheckpointError"}, damaged
+    assert all(ROWS_NAME in r["message"] and "checksum" in r["message"] for r in damaged), damaged
+    fallen = launch(_save_and_load, 2, str(tmp_path / "fallback"), True, True)
+    assert [r["iteration"] for r in fallen] == [1, 1], fallen
