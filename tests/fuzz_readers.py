@@ -12,7 +12,8 @@ its files, and runs every reader of that source over the copy: ``Checkpointer.lo
 flipped, truncated or missing bytes; JSON fields set to huge, negative, wrong-type or
 deeply nested values; paths with ``..``, absolute, NUL or empty; DCP ``.metadata``
 records naming files outside the checkpoint or lengths far past the file; the same in
-the columns of shardpoint's chunk index (``.chunk_index``, which loads plan from); and pickles
+the columns of shardpoint's chunk index (``.chunk_index``, which loads plan from) and the
+records of its rows (``.chunk_rows``, with the head's checksums made to match); and pickles
 naming globals (``os.system``). ``hypothesis`` draws them under a fixed seed
 (``derandomize``), and shrinks a failing one to its smallest form.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import pickle
@@ -353,6 +355,8 @@ def mutate(data: Any, source: Source, work: Path) -> Mutant:
         kinds += ["metadata"] * 8
     if path.name == ".chunk_index":
         kinds += ["index"] * 8
+    if path.name == ".chunk_rows":
+        kinds += ["rows"] * 8
     if path.name in ("latest_checkpointed_iteration.txt", "latest"):
         kinds += ["tracker"] * 3
     kind = data.draw(st.sampled_from(kinds), label="kind")
@@ -394,6 +398,8 @@ def mutate(data: Any, source: Source, work: Path) -> Mutant:
         return _mutate_json(data, path, rel, doc)
     if kind == "index":
         return _mutate_index(data, path, rel)
+    if kind == "rows":
+        return _mutate_rows(data, path, rel)
     return _mutate_metadata(data, path, rel, work)
 
 
@@ -480,6 +486,7 @@ _INDEX_VALUES = {
     "file_ends": [-1, 0, 10**6],
     "dtype": [-2, 1, 100],
     "key_names": [0, 0xFF, ord(".")],
+    "key_xxh3": [0, 1, 2**64 - 1],
 }
 _INDEX_HEADER = {
     "dtypes": ['["os.system"]', "[]", "{}", "[1]", "x"],
@@ -487,7 +494,8 @@ _INDEX_HEADER = {
     "rows": ["0", "-1", "x"],
     "tensors": ["0", "x"],
     "metadata_xxh3": ["0" * 16],
-    "version": ["2"],
+    "version": ["1", "2", "3"],
+    "width": ["0", "65", "-1", "x", "1", "9" * 30],
 }
 
 
@@ -510,7 +518,7 @@ def _mutate_index(data: Any, path: Path, rel: str) -> Mutant:
         arrays["file_ends"] = ends - first + len(encoded)
         how = f"first file named {value!r}"
     elif what == "column":
-        column = data.draw(st.sampled_from(sorted(_INDEX_VALUES)), label="column")
+        column = data.draw(st.sampled_from(sorted(set(_INDEX_VALUES) & set(arrays))), label="column")
         flat = arrays[column].reshape(-1)
         if not len(flat):
             return Mutant(rel, f"unchanged ({column} is empty)")
@@ -527,6 +535,46 @@ def _mutate_index(data: Any, path: Path, rel: str) -> Mutant:
         del arrays[column]
         how = f"column {column} removed"
     path.write_bytes(safetensors.numpy.save(arrays, metadata=header))
+    return Mutant(rel, how)
+
+
+def _mutate_rows(data: Any, path: Path, rel: str) -> Mutant:
+    """One field of one record of ``.chunk_rows`` set to a crafted value; the head's checksums fixed to match or not.
+
+    With the checksums fixed (and the head resealed, as an attacker would), the reader's
+    checks behind them are reached: a box outside its tensor, a file it does not list,
+    bytes past a file's end.
+    """
+    import hypothesis.strategies as st
+    import numpy as np
+    import safetensors.numpy
+    import xxhash
+
+    from shardpoint.formats.chunk_rows import record_dtype
+
+    head_path = path.parent / ".chunk_index"
+    raw_head = head_path.read_bytes()
+    header = json.loads(raw_head[8 : 8 + int.from_bytes(raw_head[:8], "little")])["__metadata__"]
+    arrays = {name: array.copy() for name, array in safetensors.numpy.load(raw_head).items()}
+    records = np.frombuffer(path.read_bytes(), record_dtype(int(header["width"]))).copy()
+    if not len(records):
+        return Mutant(rel, "unchanged (no rows)")
+    field = data.draw(st.sampled_from(["starts", "sizes", "file", "offset", "length"]), label="field")
+    at = data.draw(st.integers(0, len(records) - 1), label="at")
+    value = data.draw(st.sampled_from(_INDEX_VALUES[field]), label="value")
+    column = records[field].reshape(len(records), -1)
+    dim = data.draw(st.integers(0, column.shape[1] - 1), label="dim")
+    column[at, dim] = value
+    raw = records.tobytes()
+    path.write_bytes(raw)
+    how = f"row {at} {field}[{dim}] = {value!r}"
+    if data.draw(st.booleans(), label="checksums fixed"):
+        bounds = (arrays["first_row"] * records.dtype.itemsize).tolist()
+        digests = [xxhash.xxh3_64_intdigest(raw[a:b]) for a, b in itertools.pairwise(bounds)]
+        arrays["key_xxh3"] = np.array(digests, np.uint64)
+        head_path.write_bytes(safetensors.numpy.save(arrays, metadata=header))
+        reseal(head_path, Mutant(rel, how))
+        how += ", the head's checksums fixed to match and resealed"
     return Mutant(rel, how)
 
 
@@ -683,7 +731,9 @@ def run(examples: int, report: Path, headroom: int = 1 << 30) -> dict[str, Any]:
         shutil.copytree(source.root, case)
         mutant = mutate(data, source, case)
         # an attacker reseals a crafted .metadata (else its checksum alone refuses it); other files either way
-        if mutant.file.endswith((".metadata", ".chunk_index")) or data.draw(st.booleans(), label="reseal"):
+        if mutant.file.endswith((".metadata", ".chunk_index", ".chunk_rows")) or data.draw(
+            st.booleans(), label="reseal"
+        ):
             mutant = reseal(case / mutant.file, mutant)
         _plant_canaries(case, source)
         newest = Path(mutant.file).name == "shardpoint.json" and Path(mutant.file).parent.name.endswith("2")
