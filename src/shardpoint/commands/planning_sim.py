@@ -82,13 +82,82 @@ def simulate_load(stream: bytes, world: int, params: int) -> dict[str, Any]:
     gc.collect()
     with peak_memory() as memory:
         start = time.process_time()
-        found = chunk_index.decode(index, chunk_index.INDEX_NAME, record, lambda name: 1 << 60)
+        found = chunk_index.decode(index, chunk_index.INDEX_NAME, record, lambda name: 1 << 40)
         row["reading the index s (today)"] = time.process_time() - start
         seconds, parts, _ = _plan(found, world)
     row["load plan s (today)"] = seconds
     _memory(row, "today", len(index) + memory.extra, len(pickle.dumps(found.outline)) + _largest(parts))
     row[".metadata MB"], row[".chunk_index MB"] = len(stream) / 1e6, len(index) / 1e6
     row["chunks per rank"] = len(parts[-1].positions)
+    del parts
+    gc.collect()
+    row.update(simulate_split_load(found, world))
+    return row
+
+
+def simulate_split_load(index: Any, world: int) -> dict[str, Any]:
+    """The same load planned by key across ranks (:mod:`shardpoint.formats.split_plan`): the slowest rank's part.
+
+    Rank 0 decodes the head; every rank makes its asks (timed on one); the busiest
+    planner (the most rows; every planner's rows here are one key's, asked by every
+    rank) reads and plans its keys; each rank joins one piece per planner of its keys
+    (timed with that planner's piece standing in for each: the work is per piece). The
+    slowest rank's time until reads begin is their sum; its peak is the busiest planner's.
+    """
+    import numpy as np
+
+    from shardpoint.catalog.metadata import FileRecord
+    from shardpoint.formats import chunk_rows, load_parts, split_plan
+    from shardpoint.formats.base import wanted_summary
+
+    record = FileRecord(1, "00")
+    head_bytes, rows = chunk_rows.encode_split(index, record)
+
+    def size_of(name: str) -> int:
+        return len(rows) if name == chunk_rows.ROWS_NAME else 1 << 40
+
+    row: dict[str, Any] = {}
+    start = time.process_time()
+    head = chunk_rows.decode_head(head_bytes, chunk_rows.HEAD_NAME, record, size_of)
+    row["head read s (split)"] = time.process_time() - start
+    saved, params = head.keys, len(head.keys)
+    summary, ids = wanted_summary(saved, saved), np.arange(params, dtype=np.int32)
+    boxes = np.zeros((params, 2, head.width), np.int64)
+    boxes[:, 0, 0], boxes[:, 1] = world * _ROWS - _ROWS, (_ROWS, _COLUMNS)  # the last rank's rows
+    usable = np.ones(params, np.bool_).tobytes()
+    request = load_parts.Request(summary, ids.tobytes(), usable, boxes.tobytes(), ("cuda",))
+    start = time.process_time()
+    split_plan.asks(request, head, world, 1 << 30)
+    asks_seconds = time.process_time() - start
+    owner = split_plan.owners(head.first_row, world)
+    busiest = int(np.argmax(np.bincount(owner, np.diff(head.first_row), world)))
+    keys = np.flatnonzero(owner == busiest)
+    received = []
+    for rank in range(world):  # what the busiest planner hears: each rank's boxes of its keys
+        box = np.zeros((len(keys), 2, head.width), np.int64)
+        box[:, 0, 0], box[:, 1] = rank * _ROWS, (_ROWS, _COLUMNS)
+        local = (keys - keys[0]).astype(np.int32)
+        usable = np.ones(len(keys), np.bool_).tobytes()
+        received.append(split_plan.Ask(local.tobytes(), usable, box.tobytes(), 1 << 20, ("cuda",)))
+    gc.collect()
+    with peak_memory() as memory:
+        start = time.process_time()
+        pieces = split_plan.plan_keys(received, head, lambda a, n: rows[a : a + n], True, "simulated", size_of, busiest)
+        planner_seconds = time.process_time() - start
+    start = time.process_time()
+    wire = [pickle.dumps(piece) for piece in pieces]
+    planner_seconds += time.process_time() - start
+    planners = len(np.unique(owner))
+    start = time.process_time()
+    split_plan.join([pickle.loads(wire[-1])] * planners, saved)
+    asks_seconds += time.process_time() - start
+    row["busiest planner s (split)"], row["asks + join s (split)"] = planner_seconds, asks_seconds
+    row["until reads begin s (split)"] = row["head read s (split)"] + planner_seconds + asks_seconds
+    share = (len(head_bytes) + len(rows)) / world
+    rows_read = int(np.diff(head.first_row)[keys].sum()) * len(rows) // max(1, int(head.first_row[-1]))
+    row["busiest rank peak MB (split)"] = (rows_read + memory.extra) / 1e6
+    row["share of the index MB (split)"] = share / 1e6
+    row["head MB"], row["rows MB"] = len(head_bytes) / 1e6, len(rows) / 1e6
     return row
 
 

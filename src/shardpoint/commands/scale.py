@@ -62,6 +62,7 @@ COLLECTIVES = (
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
     "all_to_all",
+    "all_to_all_single",
 )
 
 
@@ -188,6 +189,28 @@ def _print_simulated(out: Any, saves: list[dict[str, Any]], loads: list[dict[str
             pair(row, "rank-0 peak MB", digits=0),
             pair(row, "other rank KB", digits=1),
             f"{row['.metadata MB']:.0f} / {row['.chunk_index MB']:.0f}",
+        )
+    out.print(table)
+    table = new_table(
+        "ranks",
+        "head read s",
+        "busiest planner s",
+        "asks + join s",
+        "until reads begin s (rank 0's plan / split)",
+        "busiest rank peak MB / its share",
+        "head + rows MB",
+        title="the same load planned by key across ranks (today: formats.split_plan), the slowest rank",
+    )
+    for row in loads:
+        central = row["reading the index s (today)"] + row["load plan s (today)"]
+        table.add_row(
+            str(row["ranks"]),
+            f"{row['head read s (split)']:.3f}",
+            f"{row['busiest planner s (split)']:.2f}",
+            f"{row['asks + join s (split)']:.3f}",
+            f"{central:.2f} / {row['until reads begin s (split)']:.2f}",
+            f"{row['busiest rank peak MB (split)']:.1f} / {row['share of the index MB (split)']:.3f}",
+            f"{row['head MB']:.1f} + {row['rows MB']:.0f}",
         )
     out.print(table)
 

@@ -267,11 +267,20 @@ def sized(listed: dict[str, FileRecord], where: str) -> Callable[[str], int]:
 
 
 def range_reader(fs: Any, path: Any) -> Callable[[int, int], bytes]:
-    """``read_range(start, length)`` of the file at ``path`` through a DCP filesystem (local or fsspec)."""
+    """``read_range(start, length)`` of the file at ``path`` through a DCP filesystem (local or fsspec).
+
+    On an object store a stream reads ahead (a block, or to the end of the object), so
+    every planner would fetch the rows of all keys after its own; ``cat_file`` with a
+    range fetches exactly its keys' bytes (summed over ranks: the file once).
+    """
+
+    store = getattr(fs, "fs", None)  # an fsspec filesystem (object stores): one ranged GET, no read-ahead
 
     def read_range(start: int, length: int) -> bytes:
         if not length:
             return b""
+        if store is not None:
+            return bytes(store.cat_file(str(path), start=start, end=start + length))
         with fs.create_stream(path, "rb") as stream:
             stream.seek(start)
             return bytes(stream.read(length))

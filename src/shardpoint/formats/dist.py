@@ -57,7 +57,7 @@ from torch.futures import Future
 from shardpoint.catalog.integrity import HashingWriter, without_zip_crc32
 from shardpoint.catalog.metadata import CheckpointMetadata, FileRecord, listed_record
 from shardpoint.errors import CheckpointError, UnsafeCheckpointError
-from shardpoint.formats import dedup, dist_save, load_parts, shared_reads
+from shardpoint.formats import dedup, dist_save, load_parts, shared_reads, split_plan
 from shardpoint.formats.base import (
     FormatContext,
     Loaded,
@@ -421,7 +421,11 @@ class DistFormat:
         expected = {n: meta.files[n] for n in self.checksummed_while_reading(meta)} if ctx.verify else None
         reader = dcp_reader(ctx.storage, ctx.directory, ctx.thread_count, expected, meta.contiguous_items, meta.files)
         reader.metadata_record = (expected or {}).get(DCP_METADATA)
-        outline, whole = load_parts.share_outline(reader, meta.files)  # whole: rank 0's index (or .metadata)
+        head = split_plan.share_head(reader, meta.files) if ROWS_NAME in meta.files else None
+        if head is not None:  # planned by key across ranks (formats.split_plan)
+            outline, whole = head.outline.metadata(), None
+        else:  # an index without its rows apart, or none: planned on rank 0 (formats.load_parts)
+            outline, whole = load_parts.share_outline(reader, meta.files)  # whole: rank 0's index (or .metadata)
         saved = sorted(outline.state_dict_metadata)
         local: dict[str, Any] = {}
 
@@ -442,9 +446,14 @@ class DistFormat:
             return load_parts.plan(whole, requests, shared, budget, ctx.directory)
 
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
-        part = comm.plan_at_root(prepare, plan, "preparing the load")
+        if head is not None:
+            shared = self.shared_reads and comm.world_size() > 1
+            part = split_plan.plan_part(reader, meta.files, head, prepare, shared, ctx.directory)
+        else:
+            part = comm.plan_at_root(prepare, plan, "preparing the load")
+        position: dict[Any, int] = {}
         if isinstance(whole, Metadata) and comm.world_size() == 1:  # the part is the file: not rebuilt chunk by chunk
-            metadata, position = whole, {}
+            metadata = whole
         else:
             metadata, position = part.metadata(outline, saved)
         present, placement = local["present"], local["plan"]
@@ -471,6 +480,7 @@ class DistFormat:
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
             checked = load_parts.check_metadata_beside_index(reader, meta.files, whole)
+            checked |= split_plan.checked_names() if head is not None else set()
             outcome = sorted(reader.checked | reader.metadata_checked | checked), reader.bytes_read
             return outcome if exchanging else finish(outcome)
 

@@ -223,18 +223,29 @@ _ITEMSIZE = {str(d): d.itemsize for d in vars(torch).values() if isinstance(d, t
 
 
 def plan(
-    chunks: ChunkIndex | Metadata, requests: Sequence[Request], shared: bool, budget: int, where: str
+    chunks: ChunkIndex | Metadata,
+    requests: Sequence[Request],
+    shared: bool,
+    budget: int | np.ndarray,
+    where: str,
+    consistent: bool = False,
+    dims: int | None = None,
 ) -> list[Part]:
-    """Rank 0: every rank's :class:`Part`, from every stored chunk and every rank's :class:`Request`.
+    """Every rank's :class:`Part`, from the stored chunks and every rank's :class:`Request` for them.
 
-    ``chunks``: the checkpoint's :class:`~shardpoint.formats.chunk_index.ChunkIndex`, or
-    its whole ``.metadata`` (a checkpoint without an index). ``shared``: replicas split
-    the reading (:mod:`~shardpoint.formats.shared_reads`), each buffer bounded by
-    ``budget`` bytes. ``where``: the checkpoint, for messages.
+    ``chunks``: the checkpoint's :class:`~shardpoint.formats.chunk_index.ChunkIndex` (or
+    some keys of it: :mod:`~shardpoint.formats.split_plan`), or its whole ``.metadata``
+    (a checkpoint without an index). ``shared``: replicas split the reading
+    (:mod:`~shardpoint.formats.shared_reads`), each rank's buffers bounded by ``budget``
+    bytes (one bound, or one per rank). ``consistent``: readers chosen as every planner
+    of a split plan chooses them (:func:`~shardpoint.formats.read_plan.choose_readers`),
+    not balanced over what this plan sees. ``where``: the checkpoint, for messages.
+    ``dims``: the width of the requests' boxes (:func:`width` of the whole outline), when
+    ``chunks`` holds only some keys.
     """
     index = chunks if isinstance(chunks, ChunkIndex) else ChunkIndex.from_metadata(chunks, where)
     world, saved = len(requests), index.keys
-    dims = max([1, *map(len, index.shapes)])  # width() of the outline
+    dims = dims or max([1, *map(len, index.shapes)])  # width() of the outline
     table = _Table.of(index, dims)
     ranks, at, exact = _overlaps(table, requests, dims)
     unstored = at[table.file[at] < 0]
@@ -250,7 +261,8 @@ def plan(
     bounds = np.searchsorted(ranks, np.arange(world + 1))
     if not shared:
         return _Columns.of(table, ranks, at).parts(bounds, missing, unexpected)
-    return _shared_parts(table, world, ranks, at, exact, bounds, requests, budget, missing, unexpected)
+    choose = read_plan.choose_readers if consistent else read_plan.plan_reads
+    return _shared_parts(table, world, ranks, at, exact, bounds, requests, budget, missing, unexpected, choose)
 
 
 @dataclass
@@ -308,14 +320,15 @@ def _shared_parts(
     exact: np.ndarray,
     bounds: np.ndarray,
     requests: Sequence[Request],
-    budget: int,
+    budget: int | np.ndarray,
     missing: list[str],
     unexpected: list[str],
+    choose: Any,
 ) -> list[Part]:
     needs = read_plan.Needs.from_columns(world, ranks, at, table.length[at], exact)
     paths = [path for path, _ in table.files]
     files = read_plan.Files(table.file, paths)  # no string per chunk (1.2 million at 4096 ranks)
-    readers = read_plan.plan_reads(needs, files)
+    readers = choose(needs, files)
     receivers = read_plan.plan_sharing(needs, files, table.nbytes, budget, readers)
     reader_of_file = np.array([readers.get(path, -1) for path in paths] or [-1], np.int64)
     pairs = [position * world + rank for position, taken in receivers.items() for rank in taken]

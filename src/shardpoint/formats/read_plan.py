@@ -13,12 +13,14 @@ Stored items are named by their position, which rank 0 gives every rank
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
-__all__ = ["Files", "Need", "Needs", "distinct", "plan_reads", "plan_sharing"]
+__all__ = ["Files", "Need", "Needs", "choose_readers", "distinct", "plan_reads", "plan_sharing"]
 
 #: what a rank needs of one stored item: its stored bytes, and whether it is exactly one of
 #: the rank's targets (received into it, no buffer)
@@ -120,11 +122,56 @@ def plan_reads(needs: Needs, files: Sequence[str] | Files) -> dict[str, int]:
     return readers
 
 
+_WRITER = re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$")  # DCP's file of the rank that wrote it (__{rank}_{n})
+
+
+def choose_readers(needs: Needs, files: Sequence[str] | Files) -> dict[str, int]:
+    """The reader of each file, chosen the same way by every planner that sees some of its items.
+
+    A load planned by key across ranks (:mod:`~shardpoint.formats.split_plan`) has
+    each file's items planned by several planners, each seeing only its keys' needs. A
+    reader is checked by the whole file's checksum only when it reads most of the file,
+    so every planner must name the same reader without asking the others. The rank that
+    wrote the file reads it when it needs any of it (every rank reads its own file on a
+    load at the saved layout: balanced, and local on a node-local tier); otherwise the
+    needer with the highest hash of (file, rank), a rendezvous choice that agrees across
+    planners whenever they see the same needers (data-parallel replicas do) and spreads
+    files evenly over them.
+    """
+    if not len(needs.ranks):
+        return {}
+    column = Files.of(files)
+    needed = column.ids[needs.positions]
+    used = distinct(np.sort(needed))
+    names = [column.names[i] for i in used.tolist()]
+    writer = np.array([_writer_of(name) for name in names], np.int64)
+    seed = np.array([xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) for name in names], np.uint64)
+    file = np.searchsorted(used, needed)
+    score = _mixed(seed[file] ^ needs.ranks.astype(np.uint64))
+    score[needs.ranks == writer[file]] = np.uint64(2**64 - 1)  # the writer first
+    order = np.lexsort((needs.ranks, score, file))  # within a file: highest score last, ties to the higher rank
+    last = np.flatnonzero(np.append(file[order][1:] != file[order][:-1], True))
+    return dict(zip(names, needs.ranks[order][last].tolist()))
+
+
+def _writer_of(name: str) -> int:
+    found = _WRITER.search(name)
+    return int(found.group(1)) if found else -1
+
+
+def _mixed(values: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser over a column: a hash per element, no Python step per element."""
+    with np.errstate(over="ignore"):
+        values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return values ^ (values >> np.uint64(31))
+
+
 def plan_sharing(
     needs: Needs,
     files: Sequence[str] | Files,
     chunk_bytes: Mapping[int, int] | np.ndarray,
-    budget: int,
+    budget: int | np.ndarray,
     readers: Mapping[str, int] | None = None,
 ) -> dict[int, list[int]]:
     """For each stored item some rank reads for others: the ranks that receive it from its file's reader.
@@ -133,10 +180,13 @@ def plan_sharing(
     and a receiver likewise; no rank's buffers exceed ``budget``. A needer left out (its
     bound reached, or the reader's) reads its items itself. ``chunk_bytes``: position
     -> the chunk's bytes in memory, for every item needed (a mapping, or an array by
-    position). ``readers``: :func:`plan_reads` of the same needs.
+    position). ``budget``: one bound for every rank, or each rank's (a planner of some keys
+    gives each rank the share of its bound those keys hold of its targets, formats.split_plan).
+    ``readers``: :func:`plan_reads` of the same needs.
     """
     readers = plan_reads(needs, files) if readers is None else readers
     held = np.zeros(needs.world, dtype=np.int64)
+    bound = np.broadcast_to(np.asarray(budget, np.int64), (needs.world,))
     receivers: dict[int, list[int]] = {}
     if not len(needs.positions):
         return receivers
@@ -156,9 +206,9 @@ def plan_sharing(
         own = exact[~others]
         reader_cost = 0 if own.size and own[0] else size
         taken: list[int] = []
-        if held[reader] + reader_cost <= budget:
+        if held[reader] + reader_cost <= bound[reader]:
             cost = np.where(exact[others], 0, size)
-            fits = held[ranks[others]] + cost <= budget
+            fits = held[ranks[others]] + cost <= bound[ranks[others]]
             chosen = ranks[others][fits]
             held[chosen] += cost[fits]
             taken = chosen.tolist()

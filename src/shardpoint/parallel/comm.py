@@ -192,6 +192,77 @@ def _scatter_from(parts: list[Any] | None, src: int, group: Any) -> Any:
     return parts[members.index(src)]
 
 
+def all_to_all(payloads: list[Any], group: Any = None, what: str = "a collective round") -> list[Any]:
+    """``payloads[i]`` to the i-th rank of ``group`` (None: the control group); what each rank sent this one.
+
+    Framed as the gathers are: one ``all_to_all_single`` of :data:`ALL_TO_ALL_INLINE`
+    bytes per pair carries every payload that fits; the larger ones follow point to
+    point, in one batch, between just the ranks concerned (both ends know them from
+    the frames). Over the control group only (gloo).
+    """
+    if not initialized() or (group is None and world_size() == 1):
+        return list(payloads)
+    group = group or control_group()
+    with _watched(group, what):
+        return _all_to_all(payloads, group)
+
+
+def _all_to_all(payloads: list[Any], group: Any) -> list[Any]:
+    size, me = dist.get_world_size(group), dist.get_group_rank(group, rank())
+    datas = [_encode(payload) for payload in payloads]
+    frames = torch.cat([_frame(data, ALL_TO_ALL_INLINE) for data in datas])
+    received = torch.empty_like(frames)
+    dist.all_to_all_single(received, frames, group=group)
+    incoming = list(received.view(size, _HEADER + ALL_TO_ALL_INLINE))
+    lengths = [_length(frame) for frame in incoming]
+    requests, wholes = [], {}
+    members = dist.get_process_group_ranks(group)
+    for peer, (data, length) in enumerate(zip(datas, lengths)):
+        if peer == me:
+            continue
+        if length > ALL_TO_ALL_INLINE:
+            wholes[peer] = torch.empty(length, dtype=torch.uint8)
+            requests.append(posted(dist.irecv(wholes[peer], members[peer], group=group), f"receiving from {peer}"))
+        if len(data) > ALL_TO_ALL_INLINE:
+            sending = _padded(data, len(data))
+            requests.append(posted(dist.isend(sending, members[peer], group=group), f"sending rank {peer} its part"))
+    for request in requests:
+        request.wait()
+    out = []
+    for peer, (frame, length) in enumerate(zip(incoming, lengths)):
+        if peer == me:
+            out.append(payloads[me])
+        elif length <= ALL_TO_ALL_INLINE:
+            out.append(_decode(frame[_HEADER:], length))
+        else:
+            out.append(_decode(wholes[peer], length))
+    return out
+
+
+def spread(step: Callable[[], list[Any]], plan: Callable[[list[Any]], list[Any]], what: str) -> list[Any]:
+    """A plan made by every rank for a share of the job: two all-to-alls, no rank holding the others' parts.
+
+    Every rank runs ``step``, giving one request per rank (what it asks of each
+    planner); each rank then runs ``plan`` on the requests sent to it, giving one piece
+    per rank; each rank returns the pieces sent to it, one per planner. Every rank
+    hears from every rank in both rounds, so a failure anywhere, in a step or a plan,
+    is raised on every rank as :func:`agree` does, after the round that carried it.
+    Over the control group. Where :func:`plan_at_root` would put the whole job's
+    requests on rank 0 (a load's plan at thousands of ranks: :mod:`shardpoint.formats.split_plan`).
+    """
+    requests, error = _attempt(step)
+    if error is not None or requests is None:
+        requests = [None] * world_size()
+    received = all_to_all([(_summary(error), request) for request in requests], what=what)
+    _raise_failures(error, {r: s for r, (s, _) in enumerate(received)}, what)
+    pieces, error = _attempt(lambda: plan([request for _, request in received]))
+    if error is not None or pieces is None:
+        pieces = [None] * world_size()
+    received = all_to_all([(_summary(error), piece) for piece in pieces], what=what)
+    _raise_failures(error, {r: s for r, (s, _) in enumerate(received)}, what)
+    return [piece for _, piece in received]
+
+
 # An object collective of torch sends the sizes first, then the pickled objects: two
 # collectives (three calls) for what is most often a few bytes (an agreement's "no
 # error"). Here the pickle travels inside a fixed-size frame behind its length, so a
@@ -200,6 +271,8 @@ def _scatter_from(parts: list[Any] | None, src: int, group: Any) -> Any:
 BROADCAST_INLINE = 64 * 1024
 #: bytes per rank of a gathered object that ride in the first message (the receiver gets one per rank)
 GATHER_INLINE = 2 * 1024
+#: bytes per pair of ranks that ride in an all-to-all's first message (every rank sends one to each)
+ALL_TO_ALL_INLINE = 512
 _HEADER = 8
 
 

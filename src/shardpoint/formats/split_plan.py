@@ -1,0 +1,290 @@
+"""A load's plan split by key across ranks: no rank reads, holds or plans the whole job.
+
+Planned on rank 0 (:mod:`~shardpoint.formats.load_parts`), a load at 16,384 ranks ×
+300 tensors put every rank's boxes (4.9 million) and the whole chunk index (256 MB)
+on one process, which took seconds and a gigabyte while every other rank waited. Here
+each rank plans the keys whose rows of the index fall in its share of them:
+
+1. rank 0 reads and checks the index's head (``.chunk_index``: the outline, each key's
+   rows and their checksum, the files; no chunks) and broadcasts it (:func:`share_head`);
+2. each rank places its targets against the outline and sends each key's boxes to that
+   key's planner (:func:`asks`), one all-to-all (:func:`shardpoint.parallel.comm.spread`);
+3. each planner reads its keys' rows of ``.chunk_rows``, one ranged read checked key by
+   key (:func:`~shardpoint.formats.chunk_rows.read_rows`), and plans them as rank 0 plans
+   a whole load (:func:`~shardpoint.formats.load_parts.plan`), with each file's reader
+   chosen as every other planner chooses it
+   (:func:`~shardpoint.formats.read_plan.choose_readers`) and each rank's exchange
+   buffers bounded by the share of its bound those keys hold (:func:`plan_keys`);
+4. a second all-to-all gives each rank its piece from every planner, which it joins into
+   its :class:`~shardpoint.formats.load_parts.Part` (:func:`join`).
+
+Keys go to planners by their first row (:func:`owners`): a planner's rows are its share
+of the index, or one key's rows when a key has more (one chunk per saving rank), so
+memory and work per rank are bounded by the larger of the two, not by the job. Bytes of
+index read, summed over ranks, are the index's size: each key's rows are read once.
+Planner 0 also carries what the whole job must agree on (the device types of every
+rank's targets, the keys asked for that were not saved, the parts of the state asked
+for), so every rank ends with the same verdicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from shardpoint.catalog.metadata import FileRecord, listed_record
+from shardpoint.formats import chunk_rows, load_parts, shared_reads
+from shardpoint.formats.base import unexpected_keys, wanted_keys
+from shardpoint.formats.chunk_index import INDEX_NAME
+from shardpoint.formats.chunk_rows import ROWS_NAME, Head
+from shardpoint.formats.load_parts import Part, Request
+from shardpoint.parallel import comm
+
+__all__ = [
+    "Ask",
+    "Piece",
+    "asks",
+    "checked_names",
+    "join",
+    "owners",
+    "plan_keys",
+    "plan_part",
+    "share_head",
+]
+
+_ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8}
+
+
+def share_head(reader: Any, listed: dict[str, FileRecord]) -> Head:
+    """Collective: rank 0 reads and checks ``.chunk_index`` against the marker; every rank gets its head."""
+    return comm.from_root(lambda: chunk_rows.read_head(reader, listed), "reading the chunk index")
+
+
+def owners(first_row: np.ndarray, world: int) -> np.ndarray:
+    """The planner of each key: the rank whose equal share of the index's rows holds the key's first row."""
+    rows = int(first_row[-1]) if len(first_row) else 0
+    keys = len(first_row) - 1
+    if rows == 0:
+        return np.zeros(keys, np.int64)
+    return np.minimum(first_row[:-1] * world // rows, world - 1)
+
+
+class Ask(NamedTuple):
+    """What one rank sends one planner: its boxes of that planner's keys, and its share of the buffer bound.
+
+    Sent as a plain tuple (:func:`plan_part`): a pickled class costs its name in every
+    frame, and a planner of one key at 16,384 ranks receives an ask from every rank.
+    """
+
+    ids: bytes  # int32: the key of each box, counted from the planner's first key
+    usable: bytes
+    boxes: bytes
+    share: int  # bytes of the rank's exchange bound these keys may use
+    types: tuple[str, ...]
+    agreed: tuple[tuple[str, ...], list[str]] | None = None  # to planner 0: the parts asked for, keys not saved
+
+
+def asks(request: Request, head: Head, world: int, budget: int) -> list[Ask | None]:
+    """This rank's :class:`Ask` of each planner (None: nothing to ask), from its whole-job :class:`Request`.
+
+    The rank's exchange bound is shared among its planners by the bytes of its boxes
+    each holds, so the pieces it receives together never exceed it.
+    """
+    ids = np.frombuffer(request.ids, np.int32)
+    usable = np.frombuffer(request.usable, np.bool_)
+    boxes = np.frombuffer(request.boxes, np.int64).reshape(len(ids), 2, -1) if len(ids) else np.zeros((0, 2, 1))
+    owner = owners(head.first_row, world)
+    key_owner = owner[ids]
+    order = np.argsort(key_owner, kind="stable")
+    bounds = np.searchsorted(key_owner[order], np.arange(world + 1))
+    first_key = np.searchsorted(owner, np.arange(world))  # each planner's first key
+    itemsize = np.array([_ITEMSIZE.get(d or "", 1) for d in head.dtypes] or [1], np.float64)
+    volume = boxes[:, 1].prod(axis=1).astype(np.float64) * itemsize[ids] if len(ids) else np.zeros(0)
+    per_planner = np.bincount(key_owner, volume, world) if len(ids) else np.zeros(world)
+    total = float(per_planner.sum()) or 1.0
+    saved = head.keys
+    wanted = wanted_keys([request.keys], saved)
+    agreed = (tuple(sorted({key.split(".", 1)[0] for key in wanted})), list(request.keys[1]))
+    out: list[Ask | None] = [None] * world
+    for p in np.flatnonzero(np.diff(bounds)).tolist():
+        mine = order[bounds[p] : bounds[p + 1]]
+        local = (ids[mine] - first_key[p]).astype(np.int32)
+        share = int(budget * per_planner[p] / total)
+        out[p] = Ask(local.tobytes(), usable[mine].tobytes(), boxes[mine].tobytes(), share, request.types)
+    out[0] = (out[0] or Ask(b"", b"", b"", 0, request.types))._replace(agreed=agreed)
+    return out
+
+
+class Piece(NamedTuple):
+    """What a planner sends one rank: its part of that planner's keys, and what every rank must agree on.
+
+    Sent as a plain tuple, as :class:`Ask` is.
+    """
+
+    part: tuple | None  # _wire(Part), positions and keys already global
+    needed: bool  # some rank receives something from this planner's keys
+    unwanted: bytes  # int64: keys of this planner that no rank asked for
+    agreed: tuple[tuple[str, ...], tuple[str, ...], list[str]] | None = None  # from planner 0: types, parts, missing
+
+
+def plan_keys(
+    received: Sequence[Ask | None],
+    head: Head,
+    read_range: Callable[[int, int], bytes],
+    shared: bool,
+    where: str,
+    size_of: Callable[[str], int],
+    planner: int | None = None,
+) -> list[Piece | None]:
+    """This planner's pieces, one per rank, from every rank's :class:`Ask` of its keys.
+
+    ``read_range(start, length)``: bytes of ``.chunk_rows``; ``shared``: replicas split
+    the reading (the same on every planner); ``size_of``: a listed file's size;
+    ``planner``: which planner this is (this rank; another in the bench's simulation).
+    """
+    world = len(received)
+    me = comm.rank() if planner is None else planner
+    owner = owners(head.first_row, world)
+    k0, k1 = (int(k) for k in np.searchsorted(owner, [me, me + 1]))
+    asked = [a or Ask(b"", b"", b"", 0, ()) for a in received]
+    agreed = None
+    if me == 0:
+        types = tuple(sorted({t for a in asked for t in a.types}))
+        asked_parts = {p for a in asked if a.agreed for p in a.agreed[0]}
+        missing = sorted({k for a in asked if a.agreed for k in a.agreed[1]})
+        agreed = (types, tuple(sorted(asked_parts)), missing)
+    if k1 == k0:
+        return [Piece(None, False, b"", agreed) for _ in range(world)] if agreed else [None] * world
+    sub = chunk_rows.read_rows(read_range, head, k0, k1, f"{where}/{ROWS_NAME}", size_of)
+    nothing: tuple[bytes, list[str]] = (np.zeros((k1 - k0 + 7) // 8, np.uint8).tobytes(), [])
+    requests = [Request(nothing, a.ids, a.usable, a.boxes, a.types) for a in asked]
+    budgets = np.array([a.share for a in asked], np.int64)
+    dims = max([1, *map(len, head.shapes)])  # the requests' boxes: load_parts.width of the whole outline
+    parts = load_parts.plan(sub, requests, shared, budgets, where, consistent=True, dims=dims)
+    ids = np.concatenate([np.frombuffer(a.ids, np.int32) for a in asked]) if asked else np.zeros(0, np.int32)
+    unwanted = (np.setdiff1d(np.arange(k1 - k0), ids) + k0).astype(np.int64).tobytes()
+    base = int(head.first_row[k0])  # the rows read start at the planner's first key
+    needed = any(part.needed for part in parts)
+    pieces: list[Piece | None] = []
+    for part in parts:
+        if len(part.positions) or part.sends:
+            pieces.append(Piece(_wire(part, base, k0), needed, unwanted, agreed))
+        else:
+            pieces.append(Piece(None, needed, unwanted, agreed) if needed or unwanted or agreed else None)
+    return pieces
+
+
+def join(pieces: Sequence[Piece | None], saved: Sequence[str]) -> Part:
+    """This rank's :class:`Part` of the whole load, from its piece of every planner's keys (in key order)."""
+    got = [p for p in pieces if p is not None]
+    parts = [_unwire(p.part) for p in got if p.part is not None]
+    agreed = next((p.agreed for p in got if p.agreed is not None), ((), (), []))
+    types, asked_parts, missing = agreed
+    unwanted = {saved[k] for p in got for k in np.frombuffer(p.unwanted, np.int64).tolist()}
+    # unexpected_keys keeps the saved keys nobody asked for in the parts asked for (its `wanted` gives the parts)
+    unexpected = unexpected_keys(unwanted, {f"{part}." for part in asked_parts})
+    part = _joined(parts)
+    part.missing, part.unexpected = list(missing), unexpected
+    part.needed = any(p.needed for p in got)
+    part.kinds = tuple(types)
+    return part
+
+
+def _wire(part: Part, base: int, k0: int) -> tuple:
+    """``part`` as bytes and short lists (a few hundred bytes for a part of one chunk: it rides in the frame)."""
+    sends = {at + base: ranks for at, ranks in part.sends.items()}
+    columns = (part.positions + base, part.keys + k0, part.starts, part.sizes, part.file, part.offset, part.length)
+    moved = (part.readers, part.receives + base, part.direct + base)
+    return (
+        part.starts.shape[1] if part.starts.ndim == 2 else 1,
+        tuple(c.tobytes() for c in (*columns, *moved)),  # C order, whatever the view
+        part.files,
+        sends,
+        part.shared,
+    )
+
+
+_DTYPES = (np.int64, np.int32, np.int64, np.int64, np.int32, np.int64, np.int64, np.int32, np.int64, np.int64)
+
+
+def _unwire(wired: tuple) -> Part:
+    width, raw, files, sends, shared = wired
+    cols = [np.frombuffer(b, d) for b, d in zip(raw, _DTYPES)]
+    positions, keys, starts, sizes, file, offset, length, readers, receives, direct = cols
+    starts, sizes = starts.reshape(-1, width), sizes.reshape(-1, width)
+    part = Part(positions, keys, starts, sizes, file, offset, length, list(files), [], [], shared=shared)
+    part.readers, part.receives, part.direct, part.sends = readers, receives, direct, dict(sends)
+    return part
+
+
+def _joined(parts: list[Part]) -> Part:
+    """One :class:`Part` of several planners' (each with its own files): columns joined, file numbers merged."""
+    if len(parts) == 1:
+        return parts[0]
+    files: dict[Any, int] = {}
+    remapped = []
+    for part in parts:
+        mapping = np.array([files.setdefault(f, len(files)) for f in part.files] or [0], np.int32)
+        remapped.append(mapping[part.file] if len(part.file) else part.file)
+    width = max([1, *(p.starts.shape[1] for p in parts)])
+
+    def join_column(name: str, dtype: Any) -> np.ndarray:
+        found = [getattr(p, name) for p in parts]
+        return np.concatenate(found).astype(dtype, copy=False) if found else np.zeros(0, dtype)
+
+    def boxes(name: str, fill: int) -> np.ndarray:
+        out = [getattr(p, name) for p in parts]
+        if any(box.shape[1] != width for box in out):  # every planner pads to the outline's width: not seen
+            out = [np.pad(box, ((0, 0), (0, width - box.shape[1])), constant_values=fill) for box in out]
+        return np.concatenate(out) if out else np.zeros((0, width), np.int64)
+
+    part = Part(
+        join_column("positions", np.int64),
+        join_column("keys", np.int32),
+        boxes("starts", 0),
+        boxes("sizes", 1),
+        np.concatenate(remapped).astype(np.int32) if remapped else np.zeros(0, np.int32),
+        join_column("offset", np.int64),
+        join_column("length", np.int64),
+        list(files),
+        [],
+        [],
+        shared=any(p.shared for p in parts),
+    )
+    part.readers = join_column("readers", np.int32)
+    part.receives, part.direct = join_column("receives", np.int64), join_column("direct", np.int64)
+    part.sends = {at: ranks for p in parts for at, ranks in p.sends.items()}
+    return part
+
+
+def plan_part(
+    reader: Any, listed: dict[str, FileRecord], head: Head, prepare: Callable[[], Request], shared: bool, where: str
+) -> Part:
+    """Collective: this rank's part of the load, planned by key across ranks (two all-to-alls).
+
+    ``prepare``: this rank's :class:`~shardpoint.formats.load_parts.Request` for the whole
+    job (its failure, or a planner's, raised on every rank); ``shared``: replicas may
+    split the reading (when anything is stored at all).
+    """
+    world, budget = comm.world_size(), shared_reads.EXCHANGE_BUFFER_BYTES
+    shared = shared and int(head.first_row[-1]) > 0
+    listed_record(listed, ROWS_NAME, where, "the dist format")  # read only what the marker lists
+    read_range = chunk_rows.range_reader(reader.fs, reader.fs.concat_path(reader.path, ROWS_NAME))
+    size_of = chunk_rows.sized(listed, where)
+
+    def ask() -> list[tuple | None]:
+        return [None if a is None else tuple(a) for a in asks(prepare(), head, world, budget)]
+
+    def plan(received: list[tuple | None]) -> list[tuple | None]:
+        pieces = plan_keys([None if a is None else Ask(*a) for a in received], head, read_range, shared, where, size_of)
+        return [None if p is None else tuple(p) for p in pieces]
+
+    pieces = comm.spread(ask, plan, "preparing the load")
+    return join([None if p is None else Piece(*p) for p in pieces], head.keys)
+
+
+def checked_names() -> set[str]:
+    """The index's files a split plan checks: the head on rank 0, every key's rows on its planner."""
+    return {INDEX_NAME, ROWS_NAME}

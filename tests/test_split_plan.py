@@ -1,0 +1,190 @@
+"""A load planned by key across ranks gives each rank what rank 0's whole plan gives it.
+
+Every planner runs here in one process (``plan_keys(planner=p)``), fed exactly what each
+rank would send it; the joined pieces must find what DCP's own planner finds against the
+whole ``.metadata``, agree on every chunk's reader, and report the same missing and
+unexpected keys as the central plan. Real ranks: ``tests/test_split_plan_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from shardpoint.catalog.metadata import FileRecord
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.formats import chunk_rows, load_parts, read_plan, split_plan
+from shardpoint.formats.base import wanted_summary
+from shardpoint.formats.chunk_index import ChunkIndex
+from shardpoint.formats.dcp_metadata import outline_of
+from tests.counting import count_calls
+from tests.test_load_parts import _dcp_finds, _metadata, _random_box, _request
+
+_RECORD = FileRecord(1, "00")
+
+
+def _split(index: ChunkIndex, requests, shared: bool, budget: int = 1 << 30, reads: list | None = None):
+    """Every rank's joined part, every planner run in this process on what the ranks would send it."""
+    head_bytes, rows = chunk_rows.encode_split(index, _RECORD)
+    head = chunk_rows.decode_head(head_bytes, "head", _RECORD, _sizes(rows))
+    world = len(requests)
+
+    def read_range(start: int, length: int) -> bytes:
+        if reads is not None:
+            reads.append(length)
+        return rows[start : start + length]
+
+    asked = [split_plan.asks(request, head, world, budget) for request in requests]
+    pieces = [
+        split_plan.plan_keys([a[p] for a in asked], head, read_range, shared, "here", lambda n: 1 << 40, planner=p)
+        for p in range(world)
+    ]
+    return [split_plan.join([pieces[p][r] for p in range(world)], head.keys) for r in range(world)], len(rows)
+
+
+def _sizes(rows: bytes):
+    """The marker's sizes: the rows file's own, and room for every data file's items."""
+    return lambda name: len(rows) if name == chunk_rows.ROWS_NAME else 1 << 40
+
+
+def test_each_rank_gets_what_dcp_finds_and_every_chunk_one_reader():
+    rng = random.Random(5)
+    for _ in range(60):
+        shapes = {f"model.t{i}": tuple(rng.randint(1, 9) for _ in range(rng.randint(0, 3))) for i in range(5)}
+        metadata = _metadata(rng, shapes)
+        outline, saved = outline_of(metadata), sorted(shapes)
+        world = rng.randint(1, 5)
+        asked = [{k: _random_box(rng, s) for k, s in shapes.items() if rng.random() < 0.7} for _ in range(world)]
+        asked[0]["model.not_saved"] = ((0,), (1,))
+        requests = [_request({k: b for k, b in a.items() if k in shapes}, outline, saved) for a in asked]
+        requests[0] = _with_missing(requests[0], asked[0], saved)  # a key not saved: missing on every rank
+        shared = rng.random() < 0.5 and world > 1
+        index = ChunkIndex.from_metadata(metadata, "here")
+        parts, _ = _split(index, requests, shared)
+        central = load_parts.plan(index, requests, shared, 1 << 30, "here")
+        readers: dict[int, int] = {}
+        for rank, part in enumerate(parts):
+            mine, _ = part.metadata(outline, saved)
+            for key, box in asked[rank].items():
+                if key in shapes:
+                    assert _dcp_finds(mine, key, box) == _dcp_finds(metadata, key, box), (shapes[key], box)
+            assert (part.missing, part.unexpected) == (central[rank].missing, central[rank].unexpected)
+            assert part.needed == central[0].needed or shared
+            if not shared:
+                assert part.positions.tolist() == central[rank].positions.tolist()
+            for at, reader in zip(part.positions.tolist(), part.readers.tolist()):
+                assert readers.setdefault(at, reader) == reader, "two planners named two readers of one chunk"
+
+
+def _with_missing(request: load_parts.Request, asked: dict, saved: list[str]) -> load_parts.Request:
+    return load_parts.Request(wanted_summary(asked, saved), request.ids, request.usable, request.boxes, request.types)
+
+
+def _uniform(world: int, params: int, replicas: int = 1):
+    """``params`` tensors of ``world // replicas`` row blocks saved by as many ranks, loaded by ``world`` ranks."""
+    saving = world // replicas
+    tensors, storage = {}, {}
+    for p in range(params):
+        key = f"model.w{p:03d}"
+        chunks = [ChunkStorageMetadata(torch.Size([r * 4, 0]), torch.Size([4, 8])) for r in range(saving)]
+        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([saving * 4, 8]), chunks)
+        for r in range(saving):
+            storage[MetadataIndex(key, torch.Size([r * 4, 0]))] = _StorageInfo(f"__{r}_0.distcp", p * 128, 128)
+    metadata = Metadata(tensors, storage_data=storage)
+    outline, saved = outline_of(metadata), sorted(tensors)
+    requests = [_request({k: ((r % saving * 4, 0), (4, 8)) for k in saved}, outline, saved) for r in range(world)]
+    return ChunkIndex.from_metadata(metadata, "here"), requests
+
+
+def test_each_key_s_rows_are_read_once_in_all_and_one_read_per_planner():
+    index, requests = _uniform(16, 40)
+    reads: list[int] = []
+    _, size = _split(index, requests, False, reads=reads)
+    assert sum(reads) == size  # summed over planners: the rows file once
+    assert len(reads) <= 16  # one ranged read per planner that owns keys
+
+
+def test_replicas_read_each_file_once_and_each_rank_reads_its_own():
+    """dp=2 replicas of 8 saving ranks: every file has one reader, the rank that wrote it."""
+    index, requests = _uniform(16, 12, replicas=2)
+    parts, _ = _split(index, requests, True)
+    for rank, part in enumerate(parts):
+        own = index.files.index((f"__{rank % 8}_0.distcp", None))
+        files = [part.files[f] for f in part.file.tolist()]
+        readers = {path: reader for (path, _), reader in zip(files, part.readers.tolist())}
+        assert readers == {f"__{rank % 8}_0.distcp": rank % 8}, (rank, readers, own)
+    assert all(part.needed for part in parts)  # the replicas 8..15 receive from 0..7
+
+
+def test_no_planner_holds_more_than_its_share_of_the_rows():
+    """Rows per planner: the share, or one key's rows when a key has more (here 64 rows a key at 64 ranks)."""
+    world, params = 64, 30
+    index, _ = _uniform(world, params)
+    owner = split_plan.owners(index.first_row, world)
+    keys_of = np.bincount(owner, minlength=world)
+    rows_of = np.bincount(owner, np.diff(index.first_row), minlength=world)
+    assert keys_of.max() == 1 and rows_of.max() == world  # one key each: 30 planners, the rest plan nothing
+    owner = split_plan.owners(np.arange(0, 1001, dtype=np.int64), 10)  # 1000 keys of one row at 10 ranks
+    assert np.bincount(owner, minlength=10).tolist() == [100] * 10
+
+
+def _planner_and_join_calls(world: int, shared: bool) -> tuple[int, int]:
+    """Python calls of the busiest planner (one key that every rank asks for) and of one rank's join."""
+    index, requests = _uniform(world, 1)
+    head_bytes, rows = chunk_rows.encode_split(index, _RECORD)
+    head = chunk_rows.decode_head(head_bytes, "head", _RECORD, _sizes(rows))
+    asked = [split_plan.asks(request, head, world, 1 << 30)[0] for request in requests]
+    plan = functools.partial(
+        split_plan.plan_keys, asked, head, lambda a, n: rows[a : a + n], shared, "x", _sizes(rows), 0
+    )
+    pieces = plan()
+    return count_calls(plan), count_calls(functools.partial(split_plan.join, pieces[:1] * world, head.keys))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-reads", "shared-reads"])
+def test_a_planner_makes_a_few_calls_per_asking_rank(shared):
+    """The per-item guard of the split plan: the busiest planner's Python calls per rank that asks it.
+
+    At 16,384 ranks one key's planner hears from every rank; a step per rank is what it
+    may cost (0.4 s there, ``bench --simulate-ranks``), a step per rank per key would not.
+    """
+    (plan_8, join_8), (plan_32, join_32) = _planner_and_join_calls(8, shared), _planner_and_join_calls(32, shared)
+    assert (plan_32 - plan_8) / 24 <= 50, (plan_8, plan_32)
+    assert (join_32 - join_8) / 24 <= 80, (join_8, join_32)
+
+
+def test_a_damaged_key_s_rows_fail_the_planner_that_reads_them_by_name():
+    index, requests = _uniform(4, 8)
+    head_bytes, rows = chunk_rows.encode_split(index, _RECORD)
+    head = chunk_rows.decode_head(head_bytes, "head", _RECORD, _sizes(rows))
+    damaged = bytearray(rows)
+    damaged[-3] ^= 1
+    asked = [split_plan.asks(r, head, 4, 1 << 30) for r in requests]
+    owner = split_plan.owners(head.first_row, 4)
+    last = int(owner[-1])
+    with pytest.raises(CorruptCheckpointError, match=r"\.chunk_rows|rows"):
+        split_plan.plan_keys(
+            [a[last] for a in asked], head, lambda a, n: bytes(damaged[a : a + n]), False, "x", lambda n: 1 << 40, last
+        )
+
+
+def test_choose_readers_agrees_for_the_same_needers_and_prefers_the_writer():
+    needs = read_plan.Needs.from_dicts([{0: (8, True)}, {0: (8, True), 1: (8, True)}, {1: (8, True)}])
+    files = read_plan.Files(np.array([0, 1]), ["__1_0.distcp", "other/file.distcp"])
+    chosen = read_plan.choose_readers(needs, files)
+    assert chosen["__1_0.distcp"] == 1  # its writer needs it
+    assert chosen["other/file.distcp"] in (1, 2)
+    again = read_plan.Needs.from_dicts([{}, {1: (8, True)}, {1: (8, True)}])
+    assert read_plan.choose_readers(again, files)["other/file.distcp"] == chosen["other/file.distcp"]
