@@ -188,3 +188,57 @@ def test_choose_readers_agrees_for_the_same_needers_and_prefers_the_writer():
     assert chosen["other/file.distcp"] in (1, 2)
     again = read_plan.Needs.from_dicts([{}, {1: (8, True)}, {1: (8, True)}])
     assert read_plan.choose_readers(again, files)["other/file.distcp"] == chosen["other/file.distcp"]
+
+
+def test_every_planner_names_the_same_reader_of_a_file():
+    """Two replicas (ranks 2, 3) load what ranks 0 and 1 wrote; four planners see different keys of ``__1``.
+
+    Balanced over what each planner sees (rank 0's whole-job policy), the planner of ``a``
+    would give ``__1`` to rank 3 (rank 2 has ``__0``) and the planner of ``c`` to rank 2:
+    neither reads most of the file, and its checksum would go unchecked.
+    """
+    sizes = {"model.a": [(0, 6), (6, 2)], "model.b": [(0, 6), (6, 2)], "model.c": [(0, 8)], "model.d": [(0, 8)]}
+    tensors, storage = {}, {}
+    for key, rows in sizes.items():
+        chunks = [ChunkStorageMetadata(torch.Size([at, 0]), torch.Size([n, 4])) for at, n in rows]
+        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 4]), chunks)
+        for i, (at, n) in enumerate(rows):
+            file = f"__{1 if key in ('model.c', 'model.d') else i}_0.distcp"
+            storage[MetadataIndex(key, torch.Size([at, 0]))] = _StorageInfo(file, 1000 * len(storage), 16 * n)
+    metadata = Metadata(tensors, storage_data=storage)
+    outline, saved = outline_of(metadata), sorted(tensors)
+    whole = {key: ((0, 0), (8, 4)) for key in saved}
+    requests = [_request(asked, outline, saved) for asked in ({}, {}, whole, whole)]
+    index = ChunkIndex.from_metadata(metadata, "here")
+    assert split_plan.owners(index.first_row, 4).tolist() == [0, 1, 2, 3]  # a planner per key
+    parts, _ = _split(index, requests, True)
+    readers: dict[str, set[int]] = {}
+    for part in parts:
+        for f, reader in zip(part.file.tolist(), part.readers.tolist()):
+            readers.setdefault(part.files[f][0], set()).add(reader)
+    assert all(len(named) == 1 for named in readers.values()), readers
+
+
+def test_a_rank_s_exchange_buffers_stay_within_its_one_bound_over_all_planners():
+    """Resharded (each rank's rows straddle both saved chunks of 8 tensors): each rank would receive 8 partial chunks.
+
+    With a bound of 4 chunks, the two planners together give each rank at most 4 buffers
+    (each planner its share of the bound); each one alone would give it 4.
+    """
+    tensors, storage = {}, {}
+    for i in range(8):
+        key = f"model.t{i}"
+        chunks = [ChunkStorageMetadata(torch.Size([at, 0]), torch.Size([4, 4])) for at in (0, 4)]
+        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 4]), chunks)
+        for r, at in enumerate((0, 4)):
+            storage[MetadataIndex(key, torch.Size([at, 0]))] = _StorageInfo(f"__{r}_0.distcp", 100 * i, 64)
+    metadata = Metadata(tensors, storage_data=storage)
+    outline, saved = outline_of(metadata), sorted(tensors)
+    requests = [_request({key: ((0, 0), (8, 4)) for key in saved}, outline, saved)]  # rank 0: whole tensors
+    requests.append(_request({key: ((2, 0), (4, 4)) for key in saved}, outline, saved))  # rank 1: rows 2..5
+    index = ChunkIndex.from_metadata(metadata, "here")
+    bound = 4 * 64
+    parts, _ = _split(index, requests, True, budget=bound)
+    for part in parts:  # a chunk it receives and one it reads for the other rank each cost a buffer (none is exact)
+        held = (len(part.receives) + len(part.sends)) * 64
+        assert len(part.receives) and held <= bound, (part.receives, part.sends)
