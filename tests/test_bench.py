@@ -71,11 +71,13 @@ def test_scale_bench_counts_collectives_and_simulates_planning():
     (planning,) = report["planning"]
     assert planning["ranks"] == 16 and planning["first save: rank-0 planning s"] > 0
     # the first save's check and the load's plan, the way before beside today's (issue 59)
-    assert planning["check s (before)"] > 0 and planning["check s (today)"] > 0
-    assert planning["rank-0 peak MB (today)"] > 0 and planning["other rank KB (today)"] > 0
+    assert planning["check s (before)"] > 0 and planning["check s (rank 0)"] > 0 and planning["check s (split)"] > 0
+    assert planning["rank-0 peak MB (rank 0)"] > 0 and planning["other rank KB (rank 0)"] > 0
+    assert planning["busiest rank peak MB (split)"] > 0
     (load,) = report["load planning"]
     assert load["unpickling .metadata s (before)"] > 0 and load["reading the index s (today)"] > 0
     assert load["load plan s (today)"] > 0 and load["chunks per rank"] == 300
+    assert load["busiest planner s (split)"] > 0 and load["until reads begin s (split)"] > 0
 
 
 def test_store_bench_compares_the_clients_with_shardpoint_on_one_server(s3_server, bucket):

@@ -210,7 +210,18 @@ def _weigh_the_replica_rounds(rank: int, world: int, root: str):
             weighed["received"] += len(pickle.dumps(out))
         return out
 
-    comm.scatter_from, comm.gather_to = weighed_scatter, weighed_gather
+    all_to_all = comm.all_to_all
+
+    def weighed_all_to_all(payloads, group=None, what="a collective round"):  # planned by key (split_survey)
+        out = all_to_all(payloads, group, what)
+        if what in rounds:
+            sizes = torch.tensor([sum(len(pickle.dumps(p)) for r, p in enumerate(payloads) if r != rank)])
+            torch.distributed.all_reduce(sizes)  # (default group: uncounted by the control group's rounds)
+            weighed["all-gathered"] += int(sizes)
+            weighed["received"] += sum(len(pickle.dumps(p)) for r, p in enumerate(out) if r != rank)
+        return out
+
+    comm.scatter_from, comm.gather_to, comm.all_to_all = weighed_scatter, weighed_gather, weighed_all_to_all
     topo = sp.Topology(2, 1, world // 2)
     model = _Many(topo.tp_rank)
     sp.Checkpointer(root, topology=topo).save(1, sp.TrainState(model))
@@ -231,8 +242,14 @@ class _Many(_TensorParallel):
 
 
 def test_the_replica_check_sends_each_rank_its_own_answer_not_every_rank_s_boxes(tmp_path):
-    """8 ranks × 80 boxes: each rank receives which of its boxes are shared or written elsewhere, and the verdict."""
+    """8 ranks × 80 boxes: each rank receives the boxes of the keys it checks and its answers, not every rank's boxes.
+
+    Checked by key across ranks (state.split_survey), a rank receives every rank's boxes
+    of its keys (an eighth of the job here, when the names hash evenly) and an answer
+    from each planner; an all-gather gives every rank all of them.
+    """
     results = launch(_weigh_the_replica_rounds, 8, str(tmp_path))
     assert all(r["exact"] for r in results)
     for r in results:
-        assert 0 < r["received"] < 0.1 * r["all-gathered"], results
+        assert 0 < r["received"] < 2.5 / 8 * r["all-gathered"], results
+    assert sum(r["received"] for r in results) < 1.3 * results[0]["all-gathered"]  # the job's boxes about once

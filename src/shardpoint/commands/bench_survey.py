@@ -35,8 +35,55 @@ def simulate_check(world: int, params: int = 300, before: bool = True) -> dict[s
     row: dict[str, Any] = {}
     if before:
         row.update(_measured("before", _messages_before(world, params), survey_before))
-    row.update(_measured("today", _messages_today(world, params), box_table.survey))
+    row.update(_measured("rank 0", _messages_today(world, params), box_table.survey))
+    row.update(_measured_split(world, params))
     return row
+
+
+def _measured_split(world: int, params: int) -> dict[str, Any]:
+    """Today's check, split by key (:mod:`~shardpoint.state.split_survey`): the slowest rank's part.
+
+    One rank makes its messages to its planners; the busiest planner (the most keys,
+    each held by every rank) surveys the boxes every rank sent it; the rank joins one
+    answer per planner of its keys (that planner's answer standing in for each). Its peak
+    is what the busiest planner received plus its resident growth while it surveys.
+    """
+    import numpy as np
+    import torch
+
+    from shardpoint.state import split_survey
+    from shardpoint.state.sharding import Shard
+
+    keys = [f"model.layers.{p}.weight" for p in range(params)]
+    owner = split_survey.owners(keys, world)
+    busiest = int(np.argmax(np.bincount(owner, minlength=world)))
+    local = torch.empty(ROWS, COLUMNS)
+    start = time.process_time()
+    shards = [Shard(local, (world * ROWS, COLUMNS), (0, 0))] * params
+    sent, picked = split_survey.requests(keys, shards, [False] * params, (), 0, world)
+    asking = time.process_time() - start
+    one = sent[busiest]
+    assert one is not None
+    columns = one.array().copy()
+    messages = []
+    for rank in range(world):  # each rank's boxes of the busiest planner's keys, at its own rows
+        columns[len(box_table.FIELDS)] = rank * ROWS
+        messages.append(pickle.dumps(one._replace(columns=columns.tobytes()), protocol=pickle.HIGHEST_PROTOCOL))
+    gc.collect()
+    with peak_memory() as memory:
+        start = time.process_time()
+        received = [pickle.loads(m) for m in messages]  # made by this process
+        answers = split_survey.survey_keys(received, busiest)
+        planning = time.process_time() - start
+    start = time.process_time()
+    split_survey.join([answers[-1] if p in set(owner.tolist()) else None for p in range(world)], picked)
+    joining = time.process_time() - start
+    held = sum(map(len, messages))
+    return {
+        "check s (split)": planning + asking + joining,
+        "busiest planner keys (split)": int((owner == busiest).sum()),
+        "busiest rank peak MB (split)": (held + memory.extra) / 1e6,
+    }
 
 
 def _measured(label: str, messages: list[bytes], survey: Any) -> dict[str, Any]:

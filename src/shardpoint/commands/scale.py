@@ -143,28 +143,28 @@ def _print_simulated(out: Any, saves: list[dict[str, Any]], loads: list[dict[str
     """The simulated save and load, before beside today, a row per rank count."""
     from shardpoint.commands._output import new_table
 
-    def pair(row: dict[str, Any], name: str, unit: str = "", digits: int = 2) -> str:
-        return f"{row[f'{name} (before)']:.{digits}f} / {row[f'{name} (today)']:.{digits}f}{unit}"
+    def pair(row: dict[str, Any], name: str, unit: str = "", digits: int = 2, today: str = "today") -> str:
+        return f"{row[f'{name} (before)']:.{digits}f} / {row[f'{name} ({today})']:.{digits}f}{unit}"
 
     table = new_table(
         "ranks",
         "planning s (sp / DCP)",
-        "check s",
+        "check s (Python / rank 0 / split)",
         "unpickling received s",
         "gathered MB",
-        "rank-0 peak MB",
+        "peak MB (rank 0: Python / arrays; split: busiest rank)",
         "other rank KB",
-        title="first save, rank 0, simulated (300 tensors per rank): before / today",
+        title="first save, the slowest rank, simulated (300 tensors per rank): before / on rank 0 / split by key",
     )
     for row in saves:
         table.add_row(
             str(row["ranks"]),
             f"{row['first save: rank-0 planning s']:.2f} / {row['DCP first save: rank-0 planning s']:.2f}",
-            pair(row, "check s"),
-            pair(row, "unpickling s"),
-            pair(row, "gathered MB", digits=0),
-            pair(row, "rank-0 peak MB", digits=0),
-            pair(row, "other rank KB", digits=1),
+            f"{pair(row, 'check s', today='rank 0')} / {row['check s (split)']:.2f}",
+            pair(row, "unpickling s", today="rank 0"),
+            pair(row, "gathered MB", digits=0, today="rank 0"),
+            f"{pair(row, 'rank-0 peak MB', digits=0, today='rank 0')} / {row['busiest rank peak MB (split)']:.1f}",
+            pair(row, "other rank KB", digits=1, today="rank 0"),
         )
     out.print(table)
     table = new_table(
@@ -175,8 +175,8 @@ def _print_simulated(out: Any, saves: list[dict[str, Any]], loads: list[dict[str
         "rank-0 peak MB",
         "other rank KB",
         "file MB",
-        title="a load of that checkpoint at the same ranks, rank 0 plans every rank's part: before / today "
-        "(before: .metadata unpickled; today: .chunk_index read)",
+        title="a load of that checkpoint at the same ranks, rank 0 plans every rank's part: before / then "
+        "(before: .metadata unpickled; then: .chunk_index read on rank 0)",
     )
     for row in loads:
         read = (row["unpickling .metadata s (before)"], row["reading the index s (today)"])
@@ -210,7 +210,7 @@ def _print_simulated(out: Any, saves: list[dict[str, Any]], loads: list[dict[str
             f"{row['asks + join s (split)']:.3f}",
             f"{central:.2f} / {row['until reads begin s (split)']:.2f}",
             f"{row['busiest rank peak MB (split)']:.1f} / {row['share of the index MB (split)']:.3f}",
-            f"{row['head MB']:.1f} + {row['rows MB']:.0f}",
+            f"{row['head MB']:.2f} + {row['rows MB']:.0f}",
         )
     out.print(table)
 

@@ -239,7 +239,9 @@ def _all_to_all(payloads: list[Any], group: Any) -> list[Any]:
     return out
 
 
-def spread(step: Callable[[], list[Any]], plan: Callable[[list[Any]], list[Any]], what: str) -> list[Any]:
+def spread(
+    step: Callable[[], list[Any]], plan: Callable[[list[Any]], list[Any]], what: str, group: Any = None
+) -> list[Any]:
     """A plan made by every rank for a share of the job: two all-to-alls, no rank holding the others' parts.
 
     Every rank runs ``step``, giving one request per rank (what it asks of each
@@ -247,18 +249,20 @@ def spread(step: Callable[[], list[Any]], plan: Callable[[list[Any]], list[Any]]
     per rank; each rank returns the pieces sent to it, one per planner. Every rank
     hears from every rank in both rounds, so a failure anywhere, in a step or a plan,
     is raised on every rank as :func:`agree` does, after the round that carried it.
-    Over the control group. Where :func:`plan_at_root` would put the whole job's
-    requests on rank 0 (a load's plan at thousands of ranks: :mod:`shardpoint.formats.split_plan`).
+    Over ``group``, which holds every rank (None: the control group). Where
+    :func:`plan_at_root` would put the whole job's requests on rank 0 (a load's plan at
+    thousands of ranks: :mod:`shardpoint.formats.split_plan`; the first save's check:
+    :mod:`shardpoint.state.split_survey`).
     """
     requests, error = _attempt(step)
     if error is not None or requests is None:
         requests = [None] * world_size()
-    received = all_to_all([(_summary(error), request) for request in requests], what=what)
+    received = all_to_all([(_summary(error), request) for request in requests], group, what)
     _raise_failures(error, {r: s for r, (s, _) in enumerate(received)}, what)
     pieces, error = _attempt(lambda: plan([request for _, request in received]))
     if error is not None or pieces is None:
         pieces = [None] * world_size()
-    received = all_to_all([(_summary(error), piece) for piece in pieces], what=what)
+    received = all_to_all([(_summary(error), piece) for piece in pieces], group, what)
     _raise_failures(error, {r: s for r, (s, _) in enumerate(received)}, what)
     return [piece for _, piece in received]
 

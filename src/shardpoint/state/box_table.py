@@ -98,20 +98,21 @@ def describe(
     return RankBoxes(names, tuple(scope), int(rank_local_bytes), data, width, wide)
 
 
-def survey(gathered: Sequence[RankBoxes]) -> list[Answer]:
-    """Rank 0's part of the replica check: each rank's answer from every rank's boxes.
+def survey(gathered: Sequence[RankBoxes], rotation: float = 0.0) -> list[Answer]:
+    """The replica check of some keys: each rank's answer from every rank's boxes of them.
 
     Each answer is ``(problems, deduplicated bytes, shared, always, written elsewhere,
     (anything shared, any shared_if_equal value shared))``, the middle three as indices
     into that rank's boxes; ``problems`` (``{key: why}``) is set in every rank's answer
-    when the boxes do not tile some tensor exactly once.
+    when the boxes do not tile some tensor exactly once. ``rotation`` (0 to 1) moves where
+    the split of shared bytes among their holders starts (:mod:`~shardpoint.state.split_survey`).
     """
     t = _Table(gathered)
     cell, cells, slow = _grid(t)
     problems = _problems(t, slow)
     if problems:
         return [(problems, 0, (), (), (), (False, False))] * len(gathered)
-    return _replicas(t, _box_ids(t, cell, cells))
+    return _replicas(t, _box_ids(t, cell, cells), rotation)
 
 
 class _Table:
@@ -367,7 +368,7 @@ def _box_ids(t: _Table, cell: np.ndarray, cells: np.ndarray) -> np.ndarray:
     return ids
 
 
-def _replicas(t: _Table, ids: np.ndarray) -> list[Answer]:
+def _replicas(t: _Table, ids: np.ndarray, rotation: float = 0.0) -> list[Answer]:
     """Each rank's answer: which of its boxes others hold too, which are always checked, which another rank writes."""
     holders = np.bincount(ids)
     size = np.zeros(len(holders), np.int64)
@@ -385,12 +386,12 @@ def _replicas(t: _Table, ids: np.ndarray) -> list[Answer]:
         return [(None, total, (), (), (), anything)] * world
     rows = np.flatnonzero(shared)
     elsewhere = np.zeros(len(ids), np.bool_)
-    elsewhere[rows] = _not_writer(t, ids, rows, size)
+    elsewhere[rows] = _not_writer(t, ids, rows, size, rotation)
     at, also, other = (_by_rank(t, mask) for mask in (shared, shared & always[ids], elsewhere))
     return [(None, total, at[r], also[r], other[r], anything) for r in range(world)]
 
 
-def _not_writer(t: _Table, ids: np.ndarray, rows: np.ndarray, size: np.ndarray) -> np.ndarray:
+def _not_writer(t: _Table, ids: np.ndarray, rows: np.ndarray, size: np.ndarray, rotation: float) -> np.ndarray:
     """For each of ``rows`` (boxes several ranks hold): whether a rank other than its own writes that box.
 
     The boxes held by the same ranks (a data-parallel group's) are split among those
@@ -419,8 +420,9 @@ def _not_writer(t: _Table, ids: np.ndarray, rows: np.ndarray, size: np.ndarray) 
     before = np.cumsum(ranked) - ranked
     before -= before[start_at]
     totals = np.add.reduceat(ranked, np.flatnonzero(firsts))[np.cumsum(firsts) - 1]
-    middle = (before + ranked / 2) / np.where(totals > 0, totals, 1)
-    pick = np.where(totals > 0, np.minimum((middle * n).astype(np.int64), n - 1), (np.arange(len(n)) - start_at) % n)
+    middle = ((before + ranked / 2) / np.where(totals > 0, totals, 1) + rotation) % 1.0
+    turned = np.arange(len(n)) - start_at + (rotation * n).astype(np.int64)
+    pick = np.where(totals > 0, np.minimum((middle * n).astype(np.int64), n - 1), turned % n)
     chosen = np.empty(len(begin), np.int64)
     chosen[by_set] = rank[begin[by_set] + pick]
     out = np.empty(len(rows), np.bool_)

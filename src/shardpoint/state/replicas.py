@@ -8,16 +8,17 @@ silently, and every rank reads the one copy back. Megatron checks parameter hash
 across data-parallel replicas for this reason; so do we, at every save, before
 anything is committed:
 
-1. every rank sends rank 0 the boxes it holds, as numpy columns; rank 0 checks that they
-   tile each tensor, finds the boxes several ranks hold and picks each one's writer with
-   array operations, no Python step per box (:mod:`shardpoint.state.box_table`), and sends each
-   rank only its own answer: which of its boxes are shared and which another rank
-   writes, and the job's deduplicated size for the free-space check (a gather and a
-   scatter: no rank receives the others' boxes, 64 MB per rank at 4096 ranks × 300
-   tensors as an all-gather);
+1. every rank sends each key's boxes, as numpy columns, to that key's planner (a rank
+   chosen by the key's name, :mod:`shardpoint.state.split_survey`); each planner checks
+   that they tile each of its tensors, finds the boxes several ranks hold and picks each
+   one's writer with array operations, no Python step per box
+   (:mod:`shardpoint.state.box_table`), and sends each rank only its own answer: which
+   of its boxes are shared and which another rank writes, and its keys' share of the
+   job's deduplicated size for the free-space check (two all-to-alls: no rank receives
+   every rank's boxes, 4.9 million at 16,384 ranks × 300 tensors);
 2. each rank hashes (XXH3-64) only its boxes some other rank holds too, and sends the
-   hashes to rank 0, which sends every rank the disagreements (skipped when nothing is
-   shared);
+   hashes to their keys' planners, which send every rank the disagreements (skipped
+   when nothing is shared);
 3. a value in ``FlatState.shared_if_equal`` whose holders disagree (an optimizer
    scalar that differs by rank) moves to ``FlatState.rank_local`` and is stored per
    rank; any other disagreement raises :class:`~shardpoint.errors.ReplicaMismatchError`
@@ -40,7 +41,7 @@ import xxhash
 
 from shardpoint.errors import ReplicaMismatchError, ShardingError
 from shardpoint.parallel import comm
-from shardpoint.state import box_table
+from shardpoint.state import box_table, split_survey
 from shardpoint.state.train_state import FlatState
 
 __all__ = ["ReplicaReport", "box_of", "check_replicas", "compare", "fingerprint", "hashes_of", "settle"]
@@ -92,20 +93,7 @@ def check_replicas(
         ReplicaMismatchError: a declared replica differs between ranks (on every rank).
     """
     boxes = [_box(key, shard, scope) for key, shard in flat.tensors.items()]
-
-    def describe() -> box_table.RankBoxes:
-        shards = list(flat.tensors.values())
-        return box_table.describe(
-            list(flat.tensors),
-            shards,
-            [key in flat.shared_if_equal for key in flat.tensors],
-            scope,
-            sum(_nbytes(t) for t in flat.rank_local.values()),
-        )
-
-    problems, total, shared, always, elsewhere, anything = comm.plan_at_root(
-        describe, box_table.survey, "finding replicated tensors", group
-    )
+    problems, total, shared, always, elsewhere, anything = _survey(flat, scope, group)
     if problems:
         raise ShardingError(problems)
     report = ReplicaReport(
@@ -114,17 +102,51 @@ def check_replicas(
         frozenset(boxes[i] for i in always),
         frozenset(boxes[i] for i in elsewhere),
     )
-    # rank 0 said whether any rank holds a box to check, so every rank takes the same branch
+    # every planner told every rank whether its keys hold a box to check, so every rank takes the same branch
     if anything[0 if check_declared else 1]:
-        checked = report.to_check(check_declared)
-        found = comm.plan_at_root(
-            lambda: hashes_of(flat, checked, scope),
-            lambda every: [_disagreements(every)] * len(every),
-            "comparing replicated tensors",
-            group,
-        )
-        settle(flat, found)
+        settle(flat, _compared(hashes_of(flat, report.to_check(check_declared), scope), group))
     return report
+
+
+def _compared(mine: dict[_Box, tuple[str, int]], group: Any) -> dict[str, list[list[int]]]:
+    """Every disagreement, found by each key's planner from its holders' hashes (no rank gets every hash)."""
+    world = comm.world_size()
+
+    def ask() -> list:
+        out: list[dict | None] = [None] * world
+        for box, planner in zip(mine, split_survey.owners([box[0] for box in mine], world).tolist()):
+            out[planner] = out[planner] or {}
+            out[planner][box] = mine[box]
+        return out
+
+    def plan(received: list) -> list:
+        return [_disagreements([hashes or {} for hashes in received]) or None] * world
+
+    found: dict[str, list[list[int]]] = {}
+    for piece in comm.spread(ask, plan, "comparing replicated tensors", group):
+        found.update(piece or {})  # each key is one planner's
+    return found
+
+
+def _survey(flat: FlatState, scope: tuple[int, ...], group: Any) -> box_table.Answer:
+    """This rank's answer to the tiling and replica check, made by key across ranks.
+
+    See :mod:`~shardpoint.state.split_survey`: no rank holds every rank's boxes.
+    """
+    keys, shards = list(flat.tensors), list(flat.tensors.values())
+    always = [key in flat.shared_if_equal for key in flat.tensors]
+    own = sum(_nbytes(t) for t in flat.rank_local.values())
+    picked: list = []
+
+    def ask() -> list:
+        sent, chosen = split_survey.requests(keys, shards, always, scope, own, comm.world_size())
+        picked.extend(chosen)
+        return sent
+
+    def plan(received: list) -> list:
+        return split_survey.survey_keys(received, comm.rank())
+
+    return split_survey.join(comm.spread(ask, plan, "finding replicated tensors", group), picked)
 
 
 def box_of(key: str, shard: Any, scope: tuple[int, ...] = ()) -> _Box:
