@@ -1,4 +1,8 @@
-"""A load's plan, made once on rank 0 from the whole ``.metadata``; each rank receives only its own part.
+"""A load's plan from the stored chunks and every rank's boxes; each rank receives only its own part.
+
+Today each planner of a load split by key (:mod:`~shardpoint.formats.split_plan`) runs
+:func:`plan` on its keys' rows of the index; a checkpoint whose index is one file (or that
+has only ``.metadata``) is planned whole on rank 0, as described here.
 
 ``.metadata`` lists every stored chunk of every tensor: it grows with the ranks that
 saved (204 MB at 4096 ranks × 300 tensors). Given to every rank, the whole file reaches
@@ -19,7 +23,7 @@ overlap, and every rank plans every rank's shared reads. Here instead:
 4. each rank rebuilds a ``Metadata`` of just those chunks (:meth:`Part.metadata`) and
    runs DCP's planner and reader on it as it would on the whole file.
 
-Rank 0 holds the whole index and every rank's boxes; the others hold their part. Stored
+Planned on rank 0, it holds the whole index and every rank's boxes; the others hold their part. Stored
 chunks are named by their *position*: the saved keys in sorted order, each key's chunks
 in ``.metadata``'s order (the index's rows).
 """

@@ -1,13 +1,16 @@
-"""Who reads which file of a shared load, and who receives which chunk: planned once, on rank 0.
+"""Who reads which file of a shared load, and who receives which chunk: planned per key range.
 
-The policy half of :mod:`shardpoint.formats.shared_reads` (which moves the bytes). Rank 0
-plans for all ranks from the needs it found for each (:mod:`~shardpoint.formats.load_parts`)
-and sends each rank its share. That is O(ranks × items) on one rank, which is why it works
-on columns (numpy) rather than a dict per rank: at 4096 ranks of 300 chunks each that is
-1.2 million needs, 2.5 s as dicts and 0.3 s as columns, and why :func:`plan_sharing` loops
-in Python only over the items some rank besides their reader needs.
+The policy half of :mod:`shardpoint.formats.shared_reads` (which moves the bytes). Each
+planner of a load split by key (:mod:`~shardpoint.formats.split_plan`; rank 0 for a
+checkpoint whose index is one file) plans for all ranks from the needs it found for
+each of its keys (:mod:`~shardpoint.formats.load_parts`) and sends each rank its share;
+every planner then names the same reader of a file (:func:`choose_readers`). Planned
+whole on rank 0 it is O(ranks × items), which is why it works on columns (numpy)
+rather than a dict per rank: at 4096 ranks of 300 chunks each that is 1.2 million
+needs, 2.5 s as dicts and 0.3 s as columns, and why :func:`plan_sharing` loops in
+Python only over the items some rank besides their reader needs.
 
-Stored items are named by their position, which rank 0 gives every rank
+Stored items are named by their position, which the planner gives every rank
 (:mod:`~shardpoint.formats.load_parts`).
 """
 

@@ -5,9 +5,11 @@ parallel filesystem (Megatron-LM's ``--ckpt-fully-parallel-load`` and PyTorch's
 cooperative load planner exist for this), and every tensor-parallel rank reads the
 norms and biases that all of them hold.
 
-In the load's planning round every rank sends rank 0 the boxes of its targets; rank 0
-finds the stored items (DCP's chunks) each rank needs and plans, once for all ranks
-(:mod:`~shardpoint.formats.load_parts`), and each rank receives its :class:`Assignment`:
+In the load's planning round every rank sends the boxes of its targets to their keys'
+planners (:mod:`~shardpoint.formats.split_plan`; rank 0 for a checkpoint whose index is
+one file); each planner finds the stored items (DCP's chunks) each rank needs of its keys
+and plans their reading (:mod:`~shardpoint.formats.load_parts`), and each rank receives
+its :class:`Assignment`:
 
 1. :func:`~shardpoint.formats.read_plan.plan_reads` gives each file one reader: among the ranks that need the most of
    its bytes, the one with the fewest bytes so far (biggest files first). Data-parallel

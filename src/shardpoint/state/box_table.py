@@ -22,6 +22,10 @@ else one radix sort) (:func:`survey`):
   so holders are counted with ``bincount``; the boxes held by the same ranks (a
   data-parallel group's) are split among those ranks by bytes, each written by one.
 
+Since the check is split by key across ranks (:mod:`~shardpoint.state.split_survey`),
+each key's planner runs :func:`survey` on its keys' boxes from every rank, as rank 0 ran
+it on the whole job; what follows says "rank 0" for whichever rank surveys.
+
 Rank 0's Python work is a few steps per rank (its message, its answer), none per box.
 Its memory: the columns it received (4 bytes a value where all fit in 32 bits) and
 one key-ordered copy of those that vary, with index arrays of 1 to 8 bytes a box
