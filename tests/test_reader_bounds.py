@@ -55,16 +55,17 @@ def _save(root: Path, fill: float, iterations: tuple[int, ...] = (1,)) -> dict[s
 def _craft_metadata(checkpoint: Path, change) -> None:
     """Rewrite ``.metadata`` through ``change(metadata)`` and the marker's record of it, as an attacker would.
 
-    The chunk index goes too (a load would plan from it and refuse it as recording
+    The chunk index (both files) goes too (a load would plan from it and refuse it as recording
     another ``.metadata``, ``tests/test_chunk_index.py``): loads then plan from the
     crafted ``.metadata``, as for checkpoints written before the index.
     """
     path = checkpoint / ".metadata"
     metadata = change(load_dcp_metadata(path.read_bytes(), str(path)))
     path.write_bytes(pickle.dumps(metadata))
-    (checkpoint / ".chunk_index").unlink(missing_ok=True)
+    for name in (".chunk_index", ".chunk_rows"):
+        (checkpoint / name).unlink(missing_ok=True)
+        _craft_marker(checkpoint, lambda m, name=name: m["files"].pop(name, None))
     _craft_marker(checkpoint, lambda m: m["files"].update({".metadata": _record(path)}))
-    _craft_marker(checkpoint, lambda m: m["files"].pop(".chunk_index", None))
 
 
 def _craft_marker(checkpoint: Path, change) -> None:

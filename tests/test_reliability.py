@@ -279,6 +279,7 @@ def test_pickle_payload_in_dcp_metadata_never_runs(tmp_path):
     assert not evidence.exists()
     # without the index (removed too), .metadata goes through the restricted unpickler, which refuses it
     (tmp_path / "iter_0000001" / ".chunk_index").unlink()
+    (tmp_path / "iter_0000001" / ".chunk_rows").unlink()
     rewrite_checksums(tmp_path / "iter_0000001")
     with pytest.raises(sp.UnsafeCheckpointError, match=r"\.metadata asks to load posix.system"):
         sp.Checkpointer(tmp_path).load(make_state())

@@ -208,8 +208,9 @@ def test_crafted_pickle_through_the_s3_reader_never_runs(s3_server, bucket, tmp_
     fs.pipe_file(f"{prefix}/.metadata", crafted)
     marker = json.loads(fs.cat_file(f"{prefix}/shardpoint.json"))  # the attacker makes the marker vouch for it
     marker["files"][".metadata"] = {"size": len(crafted), "xxh3_64": xxhash.xxh3_64(crafted).hexdigest()}
-    fs.rm_file(f"{prefix}/.chunk_index")  # else the index, which records the real .metadata, refuses it first
-    marker["files"].pop(".chunk_index")
+    for name in (".chunk_index", ".chunk_rows"):  # else the index, which records the real .metadata, refuses it first
+        fs.rm_file(f"{prefix}/{name}")
+        marker["files"].pop(name)
     fs.pipe_file(f"{prefix}/shardpoint.json", json.dumps(marker).encode())
     with pytest.raises(sp.UnsafeCheckpointError, match=r"\.metadata asks to load posix.system"):
         sp.Checkpointer(root).load(make_state())
