@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from shardpoint.catalog.metadata import FileRecord, listed_record
 from shardpoint.formats import chunk_rows, load_parts, shared_reads
@@ -54,7 +55,7 @@ __all__ = [
     "share_head",
 ]
 
-_ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8}
+_ITEMSIZE = {str(d): d.itemsize for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def share_head(reader: Any, listed: dict[str, FileRecord]) -> Head:
