@@ -165,7 +165,9 @@ def plan_keys(
     dims = max([1, *map(len, head.shapes)])  # the requests' boxes: load_parts.width of the whole outline
     parts = load_parts.plan(sub, requests, shared, budgets, where, consistent=True, dims=dims)
     ids = np.concatenate([np.frombuffer(a.ids, np.int32) for a in asked]) if asked else np.zeros(0, np.int32)
-    unwanted = (np.setdiff1d(np.arange(k1 - k0), ids) + k0).astype(np.int64).tobytes()
+    asked_for = np.zeros(k1 - k0, np.bool_)
+    asked_for[ids] = True  # not np.setdiff1d: numpy.ma is imported on its first use (a first load's reads)
+    unwanted = (np.flatnonzero(~asked_for) + k0).astype(np.int64).tobytes()
     base = int(head.first_row[k0])  # the rows read start at the planner's first key
     needed = any(part.needed for part in parts)
     pieces: list[Piece | None] = []
