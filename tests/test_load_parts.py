@@ -105,18 +105,23 @@ def test_each_rank_gets_exactly_the_chunks_dcp_finds_against_the_whole_file():
                 assert len(part.positions) == own
 
 
+def row_blocks(saving: int, params: int) -> Metadata:
+    """``params`` tensors of ``saving`` row blocks (4 × 8 float32), block r in ``__r_0.distcp``: an FSDP-like save."""
+    tensors, storage = {}, {}
+    for p in range(params):
+        key = f"model.w{p:03d}"
+        chunks = [ChunkStorageMetadata(torch.Size([r * 4, 0]), torch.Size([4, 8])) for r in range(saving)]
+        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([saving * 4, 8]), chunks)
+        for r in range(saving):
+            storage[MetadataIndex(key, torch.Size([r * 4, 0]))] = _StorageInfo(f"__{r}_0.distcp", p * 128, 128)
+    return Metadata(tensors, storage_data=storage)
+
+
 def test_the_outline_is_small_and_a_part_holds_only_its_ranks_chunks():
     """4096 saved rows of 300 tensors would be 1.2 million chunks; here 64 × 50, loaded at the same 64 ranks."""
     world, params = 64, 50
-    tensors, storage = {}, {}
-    for p in range(params):
-        key = f"model.w{p}"
-        chunks = [ChunkStorageMetadata(torch.Size([r * 4, 0]), torch.Size([4, 8])) for r in range(world)]
-        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([world * 4, 8]), chunks)
-        for r in range(world):
-            storage[MetadataIndex(key, torch.Size([r * 4, 0]))] = _StorageInfo(f"__{r}_0.distcp", p * 128, 128)
-    metadata = Metadata(tensors, storage_data=storage)
-    outline, saved = outline_of(metadata), sorted(tensors)
+    metadata = row_blocks(world, params)
+    outline, saved = outline_of(metadata), sorted(metadata.state_dict_metadata)
     asked = [{key: ((r * 4, 0), (4, 8)) for key in saved} for r in range(world)]
     parts = load_parts.plan(metadata, [_request(a, outline, saved) for a in asked], True, 1 << 30, "here")
     import pickle

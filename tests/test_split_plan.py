@@ -30,7 +30,7 @@ from shardpoint.formats.base import wanted_summary
 from shardpoint.formats.chunk_index import ChunkIndex
 from shardpoint.formats.dcp_metadata import outline_of
 from tests.counting import count_calls
-from tests.test_load_parts import _dcp_finds, _metadata, _random_box, _request
+from tests.test_load_parts import _dcp_finds, _metadata, _random_box, _request, row_blocks
 
 _RECORD = FileRecord(1, "00")
 
@@ -95,15 +95,8 @@ def _with_missing(request: load_parts.Request, asked: dict, saved: list[str]) ->
 def _uniform(world: int, params: int, replicas: int = 1):
     """``params`` tensors of ``world // replicas`` row blocks saved by as many ranks, loaded by ``world`` ranks."""
     saving = world // replicas
-    tensors, storage = {}, {}
-    for p in range(params):
-        key = f"model.w{p:03d}"
-        chunks = [ChunkStorageMetadata(torch.Size([r * 4, 0]), torch.Size([4, 8])) for r in range(saving)]
-        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([saving * 4, 8]), chunks)
-        for r in range(saving):
-            storage[MetadataIndex(key, torch.Size([r * 4, 0]))] = _StorageInfo(f"__{r}_0.distcp", p * 128, 128)
-    metadata = Metadata(tensors, storage_data=storage)
-    outline, saved = outline_of(metadata), sorted(tensors)
+    metadata = row_blocks(saving, params)
+    outline, saved = outline_of(metadata), sorted(metadata.state_dict_metadata)
     requests = [_request({k: ((r % saving * 4, 0), (4, 8)) for k in saved}, outline, saved) for r in range(world)]
     return ChunkIndex.from_metadata(metadata, "here"), requests
 

@@ -62,6 +62,7 @@ from shardpoint.formats import chunk_rows
 from shardpoint.formats.batched_writes import sync_stream
 from shardpoint.formats.chunk_rows import ROWS_NAME
 from shardpoint.formats.chunk_table import (
+    OUTLINE_COLUMNS,
     ChunkIndex,
     IndexReads,
     Outline,
@@ -99,20 +100,13 @@ __all__ = [
 
 INDEX_NAME = ".chunk_index"
 _VERSION = "1"
-_COLUMNS = {  # name: (dtype, ndim)
-    "key_names": (np.uint8, 1),
-    "key_ends": (np.int64, 1),
-    "dtype": (np.int8, 1),
-    "shape_ends": (np.int64, 1),
-    "shapes": (np.int64, 1),
-    "first_row": (np.int64, 1),
+_COLUMNS = {  # name: (dtype, ndim): the outline's, and the rows'
+    **OUTLINE_COLUMNS,
     "starts": (np.int64, 2),
     "sizes": (np.int64, 2),
     "file": (np.int32, 1),
     "offset": (np.int64, 1),
     "length": (np.int64, 1),
-    "file_names": (np.uint8, 1),
-    "file_ends": (np.int64, 1),
 }
 
 

@@ -40,6 +40,7 @@ from shardpoint.catalog.metadata import FileRecord, listed_record
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.formats.chunk_table import (
     FIX,
+    OUTLINE_COLUMNS,
     ChunkIndex,
     File,
     Outline,
@@ -77,17 +78,7 @@ HEAD_NAME = ".chunk_index"  # the head: the index's file name in every version
 VERSION = "2"
 _MAX_WIDTH = 64  # dimensions a record holds at most (torch's own limit on a tensor's dimensions is lower)
 _LIMIT = 1 << 62
-_HEAD_COLUMNS = {  # name: (dtype, ndim)
-    "key_names": (np.uint8, 1),
-    "key_ends": (np.int64, 1),
-    "dtype": (np.int8, 1),
-    "shape_ends": (np.int64, 1),
-    "shapes": (np.int64, 1),
-    "first_row": (np.int64, 1),
-    "key_xxh3": (np.uint64, 1),
-    "file_names": (np.uint8, 1),
-    "file_ends": (np.int64, 1),
-}
+_HEAD_COLUMNS = {**OUTLINE_COLUMNS, "key_xxh3": (np.uint64, 1)}  # name: (dtype, ndim)
 
 
 def record_dtype(width: int) -> np.dtype:

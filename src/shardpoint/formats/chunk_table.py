@@ -41,6 +41,7 @@ from shardpoint.errors import CorruptCheckpointError
 __all__ = [
     "FIX",
     "FORMAT",
+    "OUTLINE_COLUMNS",
     "ChunkIndex",
     "File",
     "IndexReads",
@@ -209,6 +210,19 @@ def padded(rows: Sequence[Sequence[int]], ndim: np.ndarray, dims: int, fill: int
 
 
 # ----------------------------------------------------------------------------- the file's columns
+#: the columns every version holds (name: dtype, dimensions), which :func:`outline_columns` writes
+OUTLINE_COLUMNS = {
+    "key_names": (np.uint8, 1),
+    "key_ends": (np.int64, 1),
+    "dtype": (np.int8, 1),
+    "shape_ends": (np.int64, 1),
+    "shapes": (np.int64, 1),
+    "first_row": (np.int64, 1),
+    "file_names": (np.uint8, 1),
+    "file_ends": (np.int64, 1),
+}
+
+
 def outline_columns(index: ChunkIndex, metadata: FileRecord, version: str) -> tuple[dict[str, np.ndarray], dict]:
     """The columns and header fields every version writes: the outline, the row ranges, the files."""
     names, name_ends = _blob(index.keys)
