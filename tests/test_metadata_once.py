@@ -242,8 +242,8 @@ def _count_metadata_received(rank: int, world: int, root: str, params: int):
 
     all_to_all, spread = comm.all_to_all, comm.spread
 
-    def weighed_all_to_all(payloads, *args, what="a collective round", **kwargs):  # a load planned by key
-        out = all_to_all(payloads, *args, what=what, **kwargs)
+    def weighed_all_to_all(payloads, group=None, what="a collective round"):  # a load planned by key
+        out = all_to_all(payloads, group, what)
         if what == "preparing the load":
             received["bytes"] += sum(len(pickle.dumps(x)) for r, x in enumerate(out) if r != rank)
         return out
