@@ -25,6 +25,7 @@ from shardpoint.catalog.metadata import FileRecord
 from shardpoint.formats import chunk_index, chunk_rows
 from shardpoint.formats.chunk_index import INDEX_NAME, ChunkIndex
 from shardpoint.formats.chunk_rows import ROWS_NAME
+from shardpoint.storage.base import LocalStorage
 from tests import toy
 from tests.distributed import launch
 
@@ -222,15 +223,8 @@ def _decode(checkpoint: Path, data: bytes | None = None) -> ChunkIndex:
     if json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]["version"] == "1":
         return chunk_index.decode(data, INDEX_NAME, metadata, size_of)
     head = chunk_rows.decode_head(data, INDEX_NAME, metadata, size_of)
-    read_range = chunk_rows.range_reader(_Local(), str(checkpoint / ROWS_NAME))
+    read_range = chunk_rows.rows_reader(LocalStorage(str(checkpoint)), str(checkpoint))
     return chunk_rows.read_rows(read_range, head, 0, len(head.keys), ROWS_NAME, size_of)
-
-
-class _Local:
-    """The one call of a DCP filesystem that :func:`chunk_rows.range_reader` makes."""
-
-    def create_stream(self, path: str, mode: str):
-        return open(path, mode)
 
 
 def _version_1(checkpoint: Path) -> bytes:

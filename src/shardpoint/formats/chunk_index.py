@@ -185,10 +185,8 @@ def share_outline(reader: Any, listed: Mapping[str, FileRecord]) -> tuple[Metada
             if ROWS_NAME in listed:  # nothing would read (and check) them: a version-2 head was replaced
                 raise complaint(name)(f"it is of version 1, which has no {ROWS_NAME} beside it")
             kept["index"] = decode(data, name, listed.get(DCP_METADATA), size_of)
-        else:
-            head = chunk_rows.decode_head(data, name, listed.get(DCP_METADATA), size_of)
-            read_range = chunk_rows.range_reader(reader.fs, reader.fs.concat_path(reader.path, ROWS_NAME))
-            kept["index"] = chunk_rows.read_rows(read_range, head, 0, len(head.keys), f"{where}/{ROWS_NAME}", size_of)
+        else:  # a version-2 head is planned by key across ranks (formats.split_plan), which needs its rows listed
+            raise complaint(name)(f"it is of version 2, whose rows the marker does not list ({ROWS_NAME})")
         return kept["index"].outline
 
     outline = comm.from_root(read_and_check, "reading the chunk index")

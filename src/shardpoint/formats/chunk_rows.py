@@ -58,6 +58,8 @@ from shardpoint.formats.chunk_table import (
     read,
 )
 from shardpoint.formats.dcp_metadata import DCP_METADATA
+from shardpoint.formats.safetensors_index import RangeReader
+from shardpoint.storage.base import Storage
 
 __all__ = [
     "HEAD_NAME",
@@ -66,10 +68,10 @@ __all__ = [
     "Head",
     "decode_head",
     "encode_split",
-    "range_reader",
     "read_head",
     "read_rows",
     "record_dtype",
+    "rows_reader",
     "sized",
 ]
 
@@ -257,23 +259,20 @@ def sized(listed: dict[str, FileRecord], where: str) -> Callable[[str], int]:
     return size_of
 
 
-def range_reader(fs: Any, path: Any) -> Callable[[int, int], bytes]:
-    """``read_range(start, length)`` of the file at ``path`` through a DCP filesystem (local or fsspec).
+def rows_reader(storage: Storage, directory: str) -> Callable[[int, int], bytes]:
+    """``read_range(start, length)`` of the checkpoint's ``.chunk_rows``: one exact range, on any storage.
 
-    On an object store a stream reads ahead (a block, or to the end of the object), so
-    every planner would fetch the rows of all keys after its own; ``cat_file`` with a
-    range fetches exactly its keys' bytes (summed over ranks: the file once).
+    Through :class:`~shardpoint.formats.safetensors_index.RangeReader`: on an object store
+    a stream would read ahead (a block, or to the end of the object), so every planner
+    would fetch the rows of all keys after its own; a ranged GET fetches exactly its keys'
+    bytes (summed over ranks: the file once).
     """
 
-    store = getattr(fs, "fs", None)  # an fsspec filesystem (object stores): one ranged GET, no read-ahead
-
     def read_range(start: int, length: int) -> bytes:
-        if not length:
-            return b""
-        if store is not None:
-            return bytes(store.cat_file(str(path), start=start, end=start + length))
-        with fs.create_stream(path, "rb") as stream:
-            stream.seek(start)
-            return bytes(stream.read(length))
+        reader = RangeReader(storage, directory)
+        try:
+            return reader.read_bytes(ROWS_NAME, start, length)
+        finally:
+            reader.close()
 
     return read_range

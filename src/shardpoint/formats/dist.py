@@ -448,7 +448,7 @@ class DistFormat:
         # one rank's mismatch (a pipeline stage's layer) must stop every rank before anything is read
         if head is not None:
             shared = self.shared_reads and comm.world_size() > 1
-            part = split_plan.plan_part(reader, meta.files, head, prepare, shared, ctx.directory)
+            part = split_plan.plan_part(ctx.storage, ctx.directory, meta.files, head, prepare, shared)
         else:
             part = comm.plan_at_root(prepare, plan, "preparing the load")
         position: dict[Any, int] = {}
@@ -479,8 +479,7 @@ class DistFormat:
                 exchange.stage()  # outside dcp_errors: a GPU out of memory is not a damaged file
             local["common"] = read_torch_file(ctx.storage, common_path)
             local["per_rank"] = self._per_rank(ctx, meta)
-            checked = load_parts.check_metadata_beside_index(reader, meta.files, whole)
-            checked |= split_plan.checked_names() if head is not None else set()
+            checked = load_parts.check_metadata_beside_index(reader, meta.files)
             outcome = sorted(reader.checked | reader.metadata_checked | checked), reader.bytes_read
             return outcome if exchanging else finish(outcome)
 

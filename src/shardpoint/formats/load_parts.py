@@ -85,19 +85,20 @@ def stores_any(chunks: ChunkIndex | Metadata) -> bool:
     return bool(len(chunks.file) if isinstance(chunks, ChunkIndex) else chunks.storage_data)
 
 
-def check_metadata_beside_index(reader: Any, listed: Mapping[str, FileRecord], chunks: Any) -> set[str]:
+def check_metadata_beside_index(reader: Any, listed: Mapping[str, FileRecord]) -> set[str]:
     """Every rank, in the read round: the files of the plan's source it checked (the pipeline's ``checked``).
 
     A load planned from the index does not read ``.metadata``; a damaged one must still
     fail the load (plain ``dcp.load`` reads it), so the last rank reads and checks it
     while the others read their data, rather than a round of its own after the load.
-    Rank 0 checked the index (:func:`~shardpoint.formats.chunk_index.read`).
+    The index's files listed are returned too: rank 0 checked the index, or its head, and
+    each planner of a split plan its keys' rows (:mod:`~shardpoint.formats.split_plan`).
     """
     if INDEX_NAME not in listed or reader.metadata_record is None:
         return set()
     if comm.rank() == comm.world_size() - 1:
         reader.read_metadata_bytes()  # size and checksum against the marker; raises naming .metadata
-    return {INDEX_NAME, ROWS_NAME} & set(listed) if isinstance(chunks, ChunkIndex) else set()  # ROWS_NAME: version 2
+    return {INDEX_NAME, ROWS_NAME} & set(listed)
 
 
 def width(outline: Metadata) -> int:

@@ -35,19 +35,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from shardpoint.catalog.metadata import FileRecord, listed_record
+from shardpoint.catalog.metadata import FileRecord
 from shardpoint.formats import chunk_rows, load_parts, shared_reads
 from shardpoint.formats.base import unexpected_keys, wanted_keys
-from shardpoint.formats.chunk_index import INDEX_NAME
 from shardpoint.formats.chunk_rows import ROWS_NAME, Head
 from shardpoint.formats.load_parts import Part, Request
 from shardpoint.parallel import comm
+from shardpoint.storage.base import Storage
 
 __all__ = [
     "Ask",
     "Piece",
     "asks",
-    "checked_names",
     "join",
     "owners",
     "plan_keys",
@@ -201,7 +200,7 @@ def _wire(part: Part, base: int, k0: int) -> tuple:
     columns = (part.positions + base, part.keys + k0, part.starts, part.sizes, part.file, part.offset, part.length)
     moved = (part.readers, part.receives + base, part.direct + base)
     return (
-        part.starts.shape[1] if part.starts.ndim == 2 else 1,
+        part.starts.shape[1],
         tuple(c.tobytes() for c in (*columns, *moved)),  # C order, whatever the view
         part.files,
         sends,
@@ -231,23 +230,20 @@ def _joined(parts: list[Part]) -> Part:
     for part in parts:
         mapping = np.array([files.setdefault(f, len(files)) for f in part.files] or [0], np.int32)
         remapped.append(mapping[part.file] if len(part.file) else part.file)
-    width = max([1, *(p.starts.shape[1] for p in parts)])
 
     def join_column(name: str, dtype: Any) -> np.ndarray:
         found = [getattr(p, name) for p in parts]
         return np.concatenate(found).astype(dtype, copy=False) if found else np.zeros(0, dtype)
 
-    def boxes(name: str, fill: int) -> np.ndarray:
+    def boxes(name: str) -> np.ndarray:  # every planner's are as wide as the outline (load_parts.width)
         out = [getattr(p, name) for p in parts]
-        if any(box.shape[1] != width for box in out):  # every planner pads to the outline's width: not seen
-            out = [np.pad(box, ((0, 0), (0, width - box.shape[1])), constant_values=fill) for box in out]
-        return np.concatenate(out) if out else np.zeros((0, width), np.int64)
+        return np.concatenate(out) if out else np.zeros((0, 1), np.int64)
 
     part = Part(
         join_column("positions", np.int64),
         join_column("keys", np.int32),
-        boxes("starts", 0),
-        boxes("sizes", 1),
+        boxes("starts"),
+        boxes("sizes"),
         np.concatenate(remapped).astype(np.int32) if remapped else np.zeros(0, np.int32),
         join_column("offset", np.int64),
         join_column("length", np.int64),
@@ -263,9 +259,16 @@ def _joined(parts: list[Part]) -> Part:
 
 
 def plan_part(
-    reader: Any, listed: dict[str, FileRecord], head: Head, prepare: Callable[[], Request], shared: bool, where: str
+    storage: Storage,
+    where: str,
+    listed: dict[str, FileRecord],
+    head: Head,
+    prepare: Callable[[], Request],
+    shared: bool,
 ) -> Part:
     """Collective: this rank's part of the load, planned by key across ranks (two all-to-alls).
+
+    ``storage``, ``where``: the checkpoint's, whose ``.chunk_rows`` each planner reads a range of.
 
     ``prepare``: this rank's :class:`~shardpoint.formats.load_parts.Request` for the whole
     job (its failure, or a planner's, raised on every rank); ``shared``: replicas may
@@ -273,8 +276,7 @@ def plan_part(
     """
     world, budget = comm.world_size(), shared_reads.EXCHANGE_BUFFER_BYTES
     shared = shared and int(head.first_row[-1]) > 0
-    listed_record(listed, ROWS_NAME, where, "the dist format")  # read only what the marker lists
-    read_range = chunk_rows.range_reader(reader.fs, reader.fs.concat_path(reader.path, ROWS_NAME))
+    read_range = chunk_rows.rows_reader(storage, where)  # listed: the load takes this path only then
     size_of = chunk_rows.sized(listed, where)
 
     def ask() -> list[tuple | None]:
@@ -286,8 +288,3 @@ def plan_part(
 
     pieces = comm.spread(ask, plan, "preparing the load")
     return join([None if p is None else Piece(*p) for p in pieces], head.keys)
-
-
-def checked_names() -> set[str]:
-    """The index's files a split plan checks: the head on rank 0, every key's rows on its planner."""
-    return {INDEX_NAME, ROWS_NAME}
