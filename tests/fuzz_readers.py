@@ -486,7 +486,9 @@ _INDEX_VALUES = {
     "file_ends": [-1, 0, 10**6],
     "dtype": [-2, 1, 100],
     "key_names": [0, 0xFF, ord(".")],
-    "key_xxh3": [0, 1, 2**64 - 1],
+    "split_dim": [-1, 1, 64, 2**40],
+    "slab_step": [-1, 1, 2**40],
+    "slab_rows": [-1, 0, 1, 2**40],
 }
 _INDEX_HEADER = {
     "dtypes": ['["os.system"]', "[]", "{}", "[1]", "x"],
@@ -496,6 +498,8 @@ _INDEX_HEADER = {
     "metadata_xxh3": ["0" * 16],
     "version": ["1", "2", "3"],
     "width": ["0", "65", "-1", "x", "1", "9" * 30],
+    "block_rows": ["0", "1", "-1", "x", "9" * 30],
+    "nonce": ["0", "-1", "x", str(2**64)],
 }
 
 
@@ -539,11 +543,11 @@ def _mutate_index(data: Any, path: Path, rel: str) -> Mutant:
 
 
 def _mutate_rows(data: Any, path: Path, rel: str) -> Mutant:
-    """One field of one record of ``.chunk_rows`` set to a crafted value; the head's checksums fixed to match or not.
+    """One field of one record of ``.chunk_rows`` set to a crafted value; its block's checksum fixed to match or not.
 
-    With the checksums fixed (and the head resealed, as an attacker would), the reader's
-    checks behind them are reached: a box outside its tensor, a file it does not list,
-    bytes past a file's end.
+    With the checksum fixed (seeded by the head's nonce, as an attacker would, and the
+    file resealed), the reader's checks behind it are reached: a box outside its tensor
+    or its slabs, a file it does not list, bytes past a file's end.
     """
     import hypothesis.strategies as st
     import numpy as np
@@ -552,11 +556,18 @@ def _mutate_rows(data: Any, path: Path, rel: str) -> Mutant:
 
     from shardpoint.formats.chunk_rows import record_dtype
 
-    head_path = path.parent / ".chunk_index"
-    raw_head = head_path.read_bytes()
+    raw_head = (path.parent / ".chunk_index").read_bytes()
     header = json.loads(raw_head[8 : 8 + int.from_bytes(raw_head[:8], "little")])["__metadata__"]
-    arrays = {name: array.copy() for name, array in safetensors.numpy.load(raw_head).items()}
-    records = np.frombuffer(path.read_bytes(), record_dtype(int(header["width"]))).copy()
+    first_row = safetensors.numpy.load(raw_head)["first_row"].tolist()
+    step, nonce = int(header["block_rows"]), int(header["nonce"])
+    dtype = record_dtype(int(header["width"]))
+    blocks = [(r, min(step, end - r)) for start, end in itertools.pairwise(first_row) for r in range(start, end, step)]
+    raw, at, parts, digests = path.read_bytes(), 0, [], []
+    for _, rows in blocks:
+        parts.append(raw[at : at + rows * dtype.itemsize])
+        digests.append(raw[at + rows * dtype.itemsize : at + rows * dtype.itemsize + 8])
+        at += rows * dtype.itemsize + 8
+    records = np.frombuffer(b"".join(parts), dtype).copy()
     if not len(records):
         return Mutant(rel, "unchanged (no rows)")
     field = data.draw(st.sampled_from(["starts", "sizes", "file", "offset", "length"]), label="field")
@@ -565,16 +576,17 @@ def _mutate_rows(data: Any, path: Path, rel: str) -> Mutant:
     column = records[field].reshape(len(records), -1)
     dim = data.draw(st.integers(0, column.shape[1] - 1), label="dim")
     column[at, dim] = value
-    raw = records.tobytes()
-    path.write_bytes(raw)
+    fixed = data.draw(st.booleans(), label="checksums fixed")
+    out = []
+    for number, ((row, rows), digest) in enumerate(zip(blocks, digests)):
+        block = records[row : row + rows].tobytes()
+        seed = (nonce + number) & ((1 << 64) - 1)
+        out += [block, xxhash.xxh3_64_intdigest(block, seed).to_bytes(8, "little") if fixed else digest]
+    path.write_bytes(b"".join(out))
     how = f"row {at} {field}[{dim}] = {value!r}"
-    if data.draw(st.booleans(), label="checksums fixed"):
-        bounds = (arrays["first_row"] * records.dtype.itemsize).tolist()
-        digests = [xxhash.xxh3_64_intdigest(raw[a:b]) for a, b in itertools.pairwise(bounds)]
-        arrays["key_xxh3"] = np.array(digests, np.uint64)
-        head_path.write_bytes(safetensors.numpy.save(arrays, metadata=header))
-        reseal(head_path, Mutant(rel, how))
-        how += ", the head's checksums fixed to match and resealed"
+    if fixed:
+        reseal(path, Mutant(rel, how))
+        how += ", its block's checksum fixed to match and the file resealed"
     return Mutant(rel, how)
 
 

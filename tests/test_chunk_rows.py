@@ -1,8 +1,9 @@
-"""``.chunk_index`` version 2 and ``.chunk_rows``: a planner reads only its keys' rows, checked by key (issue 59).
+"""``.chunk_index`` version 2 and ``.chunk_rows``: a planner reads only its share of rows, checked by block (issue 59).
 
-The format's own checks on a small index built here (round trips over every key range,
-flipped, copied and crafted rows), then a real 2-rank save and load: the marker lists
-both files, and a flipped byte in the rows fails the load on every rank by name.
+The format's own checks on a small index built here (round trips over every key range
+and every span of blocks, flipped, moved, copied and crafted rows, slabs a head claims
+that its rows do not keep), then a real 2-rank save and load: the marker lists both
+files, and a flipped byte in the rows fails the load on every rank by name.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import xxhash
 
@@ -78,7 +80,7 @@ def _read(head_bytes: bytes, rows: bytes, k0: int, k1: int, ranged: Ranged | Non
     return read_rows(ranged or Ranged(rows), head, k0, k1, ROWS_NAME, _size_of(rows))
 
 
-def test_every_key_range_reads_back_the_rows_of_the_whole_index_with_one_ranged_read():
+def test_every_key_range_reads_back_the_rows_of_the_whole_index_with_one_ranged_read_or_none():
     index = _index()
     head_bytes, rows = encode_split(index, METADATA)
     head = decode_head(head_bytes, INDEX_NAME, METADATA, _size_of(rows))
@@ -89,16 +91,18 @@ def test_every_key_range_reads_back_the_rows_of_the_whole_index_with_one_ranged_
         3,
         index.files,
     )
-    assert len(rows) == 6 * chunk_rows.record_dtype(3).itemsize
+    assert len(rows) == 6 * chunk_rows.record_dtype(3).itemsize + 3 * 8  # a block each for a, c, d; b has no rows
     for k0 in range(5):
         for k1 in range(k0, 5):
             ranged = Ranged(rows)
             sub = read_rows(ranged, head, k0, k1, ROWS_NAME, _size_of(rows))
-            assert ranged.calls == 1, (k0, k1)
             r0, r1 = index.first_row[k0], index.first_row[k1]
-            assert sub.keys == index.keys[k0:k1] and sub.shapes == index.shapes[k0:k1] and sub.files == index.files
+            assert ranged.calls == (1 if r1 > r0 else 0), (k0, k1)
+            assert sub.keys == index.keys[k0:k1] and sub.shapes == index.shapes[k0:k1]
             assert np.array_equal(sub.first_row, index.first_row[k0 : k1 + 1] - r0)
-            for column in ("starts", "sizes", "file", "offset", "length"):
+            assert [sub.files[f] for f in sub.file] == [index.files[f] for f in index.file[r0:r1]]  # only those used
+            assert len(sub.files) == len(set(index.file[r0:r1].tolist()))
+            for column in ("starts", "sizes", "offset", "length"):
                 assert np.array_equal(getattr(sub, column), getattr(index, column)[r0:r1]), (k0, k1, column)
             assert sub.file.dtype == np.int32 and sub.starts.dtype == np.int64
 
@@ -114,11 +118,62 @@ def test_a_flipped_byte_in_one_keys_rows_is_refused_naming_the_file_and_key_and_
     head_bytes, rows = encode_split(_index(), METADATA)
     size = chunk_rows.record_dtype(3).itemsize
     damaged = bytearray(rows)
-    damaged[3 * size + 5] ^= 0x01  # in "d"'s first row
+    head = decode_head(head_bytes, INDEX_NAME, METADATA, _size_of(rows))
+    assert head.at(3) == 3 * size + 2 * 8  # after the blocks of a and c
+    damaged[head.at(3) + 5] ^= 0x01  # in "d"'s first row
     with pytest.raises(sp.CorruptCheckpointError, match="rows of 'd' fail their checksum") as caught:
         _read(head_bytes, bytes(damaged), 0, 4)
     assert ROWS_NAME in str(caught.value) and "fallback=True" in str(caught.value)
     assert _read(head_bytes, bytes(damaged), 0, 3).keys == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("block_rows", [1, 2])
+def test_every_span_of_blocks_reads_back_its_rows_with_one_ranged_read(block_rows):
+    """A planner's share may start and end inside a key whose rows keep slabs, at a block's edge."""
+    index = _index()
+    head_bytes, rows = encode_split(index, METADATA, block_rows=block_rows)
+    head = decode_head(head_bytes, INDEX_NAME, METADATA, _size_of(rows))
+    assert head.slab_step.tolist() == [2, 0, 0, 1] and head.slab_rows.tolist() == [1, 0, 0, 1]
+    edges = sorted({0, 6, *range(0, 2, block_rows), 2, 3, *range(3, 6, block_rows)})
+    for r0 in edges:
+        for r1 in (r for r in edges if r > r0):
+            k0 = int(np.searchsorted(index.first_row, r0, side="right")) - 1 if r0 < 6 else 4
+            k1 = int(np.searchsorted(index.first_row, r1 - 1, side="right"))
+            ranged = Ranged(rows)
+            sub = chunk_rows.read_span(ranged, head, k0, k1, r0, r1, ROWS_NAME, _size_of(rows))
+            assert ranged.calls == 1, (r0, r1)
+            assert np.array_equal(sub.starts, index.starts[r0:r1]) and np.array_equal(sub.offset, index.offset[r0:r1])
+            assert sub.first_row[0] == 0 and sub.first_row[-1] == r1 - r0
+
+
+def test_blocks_moved_within_the_file_are_refused_by_their_numbers():
+    """Two blocks of one key swapped: each block's checksum is its own bytes and its number."""
+    head_bytes, rows = encode_split(_index(), METADATA, block_rows=1)
+    size = chunk_rows.record_dtype(3).itemsize + 8
+    swapped = rows[size : 2 * size] + rows[:size] + rows[2 * size :]  # a's two rows, each with its checksum
+    with pytest.raises(sp.CorruptCheckpointError, match="rows of 'a' fail their checksum"):
+        _read(head_bytes, swapped, 0, 1)
+
+
+def test_a_head_claiming_slabs_its_rows_do_not_keep_is_refused_by_the_planner_that_reads_them():
+    """Crafted as an attacker would: the head gives ``d`` slabs of two rows, which its rows do not keep."""
+    head_bytes, rows = encode_split(_index(), METADATA)
+    header, arrays = _head_parts(head_bytes)
+    arrays["slab_step"] = np.array([2, 0, 0, 1], np.int64)
+    arrays["slab_rows"] = np.array([1, 0, 0, 2], np.int64)  # d's three rows in slabs of two rows of one element each
+    crafted = safetensors.numpy.save(arrays, metadata=header)
+    head = decode_head(crafted, INDEX_NAME, METADATA, _size_of(rows))
+    with pytest.raises(sp.CorruptCheckpointError, match="rows of 'd' do not lie in the slabs its head records"):
+        read_rows(Ranged(rows), head, 0, 4, ROWS_NAME, _size_of(rows))
+    arrays["split_dim"] = np.array([0, 0, 0, 3], np.int64)  # past d's dimensions
+    with pytest.raises(sp.CorruptCheckpointError, match="slabs are negative or outside its tensor"):
+        decode_head(safetensors.numpy.save(arrays, metadata=header), INDEX_NAME, METADATA, _size_of(rows))
+
+
+def _head_parts(head_bytes: bytes) -> tuple[dict, dict]:
+    length = int.from_bytes(head_bytes[:8], "little")
+    header = json.loads(head_bytes[8 : 8 + length])["__metadata__"]
+    return header, {k: np.array(v) for k, v in safetensors.numpy.load(head_bytes).items()}
 
 
 def test_a_short_read_is_refused_by_name():

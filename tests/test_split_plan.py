@@ -1,9 +1,11 @@
-"""A load planned by key across ranks gives each rank what rank 0's whole plan gives it.
+"""A load planned across ranks by rows of the index gives each rank what rank 0's whole plan gives it.
 
 Every planner runs here in one process (``plan_keys(planner=p)``), fed exactly what each
 rank would send it; the joined pieces must find what DCP's own planner finds against the
 whole ``.metadata``, agree on every chunk's reader, and report the same missing and
-unexpected keys as the central plan. Real ranks: ``tests/test_split_plan_ranks.py``.
+unexpected keys as the central plan. Blocks of a row or a few split even these small
+tensors' rows between planners, as 16,384 saving ranks split one tensor's. Real ranks:
+every multi-rank load of the suite (``test_metadata_once``, the seam matrix).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from shardpoint.catalog.metadata import FileRecord
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.formats import chunk_rows, load_parts, read_plan, split_plan
+from shardpoint.formats import chunk_rows, load_parts, read_plan, row_shares, split_plan
 from shardpoint.formats.base import wanted_summary
 from shardpoint.formats.chunk_index import ChunkIndex
 from shardpoint.formats.dcp_metadata import outline_of
@@ -35,10 +37,21 @@ from tests.test_load_parts import _dcp_finds, _metadata, _random_box, _request, 
 _RECORD = FileRecord(1, "00")
 
 
-def _split(index: ChunkIndex, requests, shared: bool, budget: int = 1 << 30, reads: list | None = None):
+def _head(index: ChunkIndex, block_rows: int = chunk_rows.BLOCK_ROWS):
+    head_bytes, rows = chunk_rows.encode_split(index, _RECORD, block_rows=block_rows)
+    return chunk_rows.decode_head(head_bytes, "head", _RECORD, _sizes(rows)), rows
+
+
+def _split(
+    index: ChunkIndex,
+    requests,
+    shared: bool,
+    budget: int = 1 << 30,
+    reads: list | None = None,
+    block_rows: int = chunk_rows.BLOCK_ROWS,
+):
     """Every rank's joined part, every planner run in this process on what the ranks would send it."""
-    head_bytes, rows = chunk_rows.encode_split(index, _RECORD)
-    head = chunk_rows.decode_head(head_bytes, "head", _RECORD, _sizes(rows))
+    head, rows = _head(index, block_rows)
     world = len(requests)
 
     def read_range(start: int, length: int) -> bytes:
@@ -51,7 +64,7 @@ def _split(index: ChunkIndex, requests, shared: bool, budget: int = 1 << 30, rea
         split_plan.plan_keys([a[p] for a in asked], head, read_range, shared, "here", lambda n: 1 << 40, planner=p)
         for p in range(world)
     ]
-    return [split_plan.join([pieces[p][r] for p in range(world)], head.keys) for r in range(world)], len(rows)
+    return [split_plan.join([pieces[p][r] for p in range(world)], head) for r in range(world)], len(rows)
 
 
 def _sizes(rows: bytes):
@@ -72,7 +85,7 @@ def test_each_rank_gets_what_dcp_finds_and_every_chunk_one_reader():
         requests[0] = _with_missing(requests[0], asked[0], saved)  # a key not saved: missing on every rank
         shared = rng.random() < 0.5 and world > 1
         index = ChunkIndex.from_metadata(metadata, "here")
-        parts, _ = _split(index, requests, shared)
+        parts, _ = _split(index, requests, shared, block_rows=rng.choice([1, 2, 3, 64]))
         central = load_parts.plan(index, requests, shared, 1 << 30, "here")
         readers: dict[int, int] = {}
         for rank, part in enumerate(parts):
@@ -101,12 +114,13 @@ def _uniform(world: int, params: int, replicas: int = 1):
     return ChunkIndex.from_metadata(metadata, "here"), requests
 
 
-def test_each_key_s_rows_are_read_once_in_all_and_one_read_per_planner():
+@pytest.mark.parametrize("block_rows", [1, 4, 64])
+def test_each_block_is_read_once_in_all_and_one_read_per_planner(block_rows):
     index, requests = _uniform(16, 40)
     reads: list[int] = []
-    _, size = _split(index, requests, False, reads=reads)
+    _, size = _split(index, requests, False, reads=reads, block_rows=block_rows)
     assert sum(reads) == size  # summed over planners: the rows file once
-    assert len(reads) <= 16  # one ranged read per planner that owns keys
+    assert len(reads) <= 16  # one ranged read per planner that owns rows
 
 
 def test_replicas_read_each_file_once_and_each_rank_reads_its_own():
@@ -121,16 +135,44 @@ def test_replicas_read_each_file_once_and_each_rank_reads_its_own():
     assert all(part.needed for part in parts)  # the replicas 8..15 receive from 0..7
 
 
-def test_no_planner_holds_more_than_its_share_of_the_rows():
-    """Rows per planner: the share, or one key's rows when a key has more (here 64 rows a key at 64 ranks)."""
+@pytest.mark.parametrize("block_rows", [1, 4, 64])
+def test_no_planner_holds_more_than_its_share_and_a_block_and_every_row_has_one_planner(block_rows):
+    """64 ranks saved 30 tensors (64 rows each); 64 planners each plan 30 rows, give or take a block.
+
+    With a planner per key (the last stop's design) one planner held a tensor's 64 rows.
+    Every row's planner, as a rank computes it (``row_shares.owner``), is the planner
+    whose share holds it (``row_shares.cut``).
+    """
     world, params = 64, 30
     index, _ = _uniform(world, params)
-    owner = split_plan.owners(index.first_row, world)
-    keys_of = np.bincount(owner, minlength=world)
-    rows_of = np.bincount(owner, np.diff(index.first_row), minlength=world)
-    assert keys_of.max() == 1 and rows_of.max() == world  # one key each: 30 planners, the rest plan nothing
-    owner = split_plan.owners(np.arange(0, 1001, dtype=np.int64), 10)  # 1000 keys of one row at 10 ranks
-    assert np.bincount(owner, minlength=10).tolist() == [100] * 10
+    head, _ = _head(index, block_rows)
+    cuts = row_shares.cut(head, np.arange(world + 1), world)
+    share = int(index.first_row[-1]) // world
+    assert np.diff(cuts).max() <= share + block_rows, np.diff(cuts)
+    rows = np.arange(int(index.first_row[-1]))
+    assert np.array_equal(row_shares.owner(head, rows, world), np.searchsorted(cuts, rows, side="right") - 1)
+
+
+def test_a_key_without_slabs_is_planned_whole_by_its_home():
+    """Rows that do not keep slabs (here a tensor cut along two dimensions unevenly) are never split."""
+    shapes = {"model.a": (6, 6), "model.b": (4,)}
+    boxes = {"model.a": [((0, 0), (2, 6)), ((2, 0), (4, 3)), ((2, 3), (4, 3))], "model.b": [((0,), (1,)), ((1,), (3,))]}
+    index = ChunkIndex.from_metadata(_boxes_metadata(shapes, boxes), "here")
+    head, _ = _head(index, block_rows=1)
+    assert head.slab_step.tolist() == [0, 0]
+    for world in (2, 3, 5):
+        owners = row_shares.owner(head, np.arange(5), world)
+        assert len(set(owners[:3].tolist())) == 1 and len(set(owners[3:].tolist())) == 1, (world, owners)
+
+
+def _boxes_metadata(shapes: dict, boxes: dict) -> Metadata:
+    tensors, storage = {}, {}
+    for key, shape in shapes.items():
+        chunks = [ChunkStorageMetadata(torch.Size(at), torch.Size(n)) for at, n in boxes[key]]
+        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), chunks)
+        for at, _ in boxes[key]:
+            storage[MetadataIndex(key, torch.Size(at))] = _StorageInfo("__0_0.distcp", 1000 * len(storage), 64)
+    return Metadata(tensors, storage_data=storage)
 
 
 def _planner_and_join_calls(world: int, shared: bool) -> tuple[int, int]:
@@ -143,7 +185,7 @@ def _planner_and_join_calls(world: int, shared: bool) -> tuple[int, int]:
         split_plan.plan_keys, asked, head, lambda a, n: rows[a : a + n], shared, "x", _sizes(rows), 0
     )
     pieces = plan()
-    return count_calls(plan), count_calls(functools.partial(split_plan.join, pieces[:1] * world, head.keys))
+    return count_calls(plan), count_calls(functools.partial(split_plan.join, pieces[:1] * world, head))
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-reads", "shared-reads"])
@@ -165,8 +207,7 @@ def test_a_damaged_key_s_rows_fail_the_planner_that_reads_them_by_name():
     damaged = bytearray(rows)
     damaged[-3] ^= 1
     asked = [split_plan.asks(r, head, 4, 1 << 30) for r in requests]
-    owner = split_plan.owners(head.first_row, 4)
-    last = int(owner[-1])
+    last = int(row_shares.owner(head, head.first_row[-1:] - 1, 4)[0])
     with pytest.raises(CorruptCheckpointError, match=r"\.chunk_rows|rows"):
         split_plan.plan_keys(
             [a[last] for a in asked], head, lambda a, n: bytes(damaged[a : a + n]), False, "x", lambda n: 1 << 40, last
@@ -203,8 +244,9 @@ def test_every_planner_names_the_same_reader_of_a_file():
     whole = {key: ((0, 0), (8, 4)) for key in saved}
     requests = [_request(asked, outline, saved) for asked in ({}, {}, whole, whole)]
     index = ChunkIndex.from_metadata(metadata, "here")
-    assert split_plan.owners(index.first_row, 4).tolist() == [0, 1, 2, 3]  # a planner per key
-    parts, _ = _split(index, requests, True)
+    head, _ = _head(index, block_rows=1)
+    assert len(set(row_shares.owner(head, np.arange(6), 4).tolist())) == 4  # __1's rows on every planner
+    parts, _ = _split(index, requests, True, block_rows=1)
     readers: dict[str, set[int]] = {}
     for part in parts:
         for f, reader in zip(part.file.tolist(), part.readers.tolist()):

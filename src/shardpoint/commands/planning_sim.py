@@ -96,18 +96,20 @@ def simulate_load(stream: bytes, world: int, params: int) -> dict[str, Any]:
 
 
 def simulate_split_load(index: Any, world: int) -> dict[str, Any]:
-    """The same load planned by key across ranks (:mod:`shardpoint.formats.split_plan`): the slowest rank's part.
+    """The same load planned across ranks by rows (:mod:`shardpoint.formats.split_plan`): the slowest rank's part.
 
-    Rank 0 decodes the head; every rank makes its asks (timed on one); the busiest
-    planner (the most rows; every planner's rows here are one key's, asked by every
-    rank) reads and plans its keys; each rank joins one piece per planner of its keys
-    (timed with that planner's piece standing in for each: the work is per piece). The
-    slowest rank's time until reads begin is their sum; its peak is the busiest planner's.
+    Rank 0 decodes the head; every rank makes its asks (timed on the last); the busiest
+    planner (the most rows, then the most ranks asking) reads and plans its share, fed
+    exactly the asks each rank's routing sends it; a rank joins one piece per planner of
+    its boxes (timed with that planner's piece standing in for each: the work is per
+    piece). The slowest rank's time until reads begin is their sum. Its memory is the
+    head every rank holds, and on the busiest planner the rows it read, the asks it
+    received and the peak while planning.
     """
     import numpy as np
 
     from shardpoint.catalog.metadata import FileRecord
-    from shardpoint.formats import chunk_rows, load_parts, split_plan
+    from shardpoint.formats import chunk_rows, row_shares, split_plan
     from shardpoint.formats.base import wanted_summary
 
     record = FileRecord(1, "00")
@@ -120,45 +122,96 @@ def simulate_split_load(index: Any, world: int) -> dict[str, Any]:
     start = time.process_time()
     head = chunk_rows.decode_head(head_bytes, chunk_rows.HEAD_NAME, record, size_of)
     row["head read s (split)"] = time.process_time() - start
-    saved, params = head.keys, len(head.keys)
-    summary, ids = wanted_summary(saved, saved), np.arange(params, dtype=np.int32)
-    boxes = np.zeros((params, 2, head.width), np.int64)
-    boxes[:, 0, 0], boxes[:, 1] = world * _ROWS - _ROWS, (_ROWS, _COLUMNS)  # the last rank's rows
-    usable = np.ones(params, np.bool_).tobytes()
-    request = load_parts.Request(summary, ids.tobytes(), usable, boxes.tobytes(), ("cuda",))
+    saved = head.keys
+    summary = wanted_summary(saved, saved)
     start = time.process_time()
-    split_plan.asks(request, head, world, 1 << 30)
+    mine = split_plan.asks(_request(summary, head, world - 1, world), head, world, 1 << 30)
     asks_seconds = time.process_time() - start
-    owner = split_plan.owners(head.first_row, world)
-    busiest = int(np.argmax(np.bincount(owner, np.diff(head.first_row), world)))
-    keys = np.flatnonzero(owner == busiest)
-    received = []
-    for rank in range(world):  # what the busiest planner hears: each rank's boxes of its keys
-        box = np.zeros((len(keys), 2, head.width), np.int64)
-        box[:, 0, 0], box[:, 1] = rank * _ROWS, (_ROWS, _COLUMNS)
-        local = (keys - keys[0]).astype(np.int32)
-        usable = np.ones(len(keys), np.bool_).tobytes()
-        received.append(split_plan.Ask(local.tobytes(), usable, box.tobytes(), 1 << 20, ("cuda",)))
+    busiest = int(np.argmax(np.diff(row_shares.cut(head, np.arange(world + 1), world))))
+    received = _received(head, busiest, world, summary)
+    reads: list[int] = []
+
+    def read_range(at: int, length: int) -> bytes:
+        reads.append(length)
+        return rows[at : at + length]
+
     gc.collect()
-    with peak_memory() as memory:
-        start = time.process_time()
-        pieces = split_plan.plan_keys(received, head, lambda a, n: rows[a : a + n], True, "simulated", size_of, busiest)
-        planner_seconds = time.process_time() - start
+    start = time.process_time()
+    pieces = split_plan.plan_keys(received, head, read_range, True, "simulated", size_of, busiest)
+    planner_seconds = time.process_time() - start
+    planning = _traced(lambda: split_plan.plan_keys(received, head, read_range, True, "simulated", size_of, busiest))
+    held = _traced(lambda: pickle.loads(pickle.dumps(head)))  # what every rank holds once the head is broadcast
     start = time.process_time()
     wire = [pickle.dumps(piece) for piece in pieces]
     planner_seconds += time.process_time() - start
-    planners = len(np.unique(owner))
+    planners = sum(a is not None for a in mine)
+    asked_bytes = sum(len(field) for a in received if a is not None for field in a[:3])
     start = time.process_time()
-    split_plan.join([pickle.loads(wire[-1])] * planners, saved)
+    sent = next(w for w in reversed(wire) if w != pickle.dumps(None))
+    split_plan.join([pickle.loads(sent)] * planners + [None] * (world - planners), head)
     asks_seconds += time.process_time() - start
     row["busiest planner s (split)"], row["asks + join s (split)"] = planner_seconds, asks_seconds
     row["until reads begin s (split)"] = row["head read s (split)"] + planner_seconds + asks_seconds
-    share = (len(head_bytes) + len(rows)) / world
-    rows_read = int(np.diff(head.first_row)[keys].sum()) * len(rows) // max(1, int(head.first_row[-1]))
-    row["busiest rank peak MB (split)"] = (rows_read + memory.extra) / 1e6
-    row["share of the index MB (split)"] = share / 1e6
+    row["busiest planner rows MB (split)"] = reads[0] / 1e6
+    row["busiest planner asks MB (split)"] = asked_bytes / 1e6
+    row["busiest planner ranks (split)"] = sum(a is not None and bool(a[0]) for a in received)
+    row["busiest planner MB (split)"] = (asked_bytes + planning) / 1e6
+    row["head held MB (split)"] = held / 1e6
+    row["busiest rank peak MB (split)"] = (held + asked_bytes + planning) / 1e6
+    row["share of the index MB (split)"] = (len(head_bytes) + len(rows)) / world / 1e6
     row["head MB"], row["rows MB"] = len(head_bytes) / 1e6, len(rows) / 1e6
     return row
+
+
+def _traced(work: Any) -> int:
+    """The peak bytes Python and numpy allocate while ``work()`` runs, what it returns included (tracemalloc).
+
+    Not the resident high-water mark (:func:`~shardpoint.commands.bench_timing.peak_memory`):
+    a planner's small objects fill memory the process already holds, which that does not see.
+    """
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        kept = work()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    del kept
+    return peak
+
+
+def _request(summary: Any, head: Any, rank: int, world: int) -> Any:
+    """A rank's load request: its own rows of every parameter, as it saved them."""
+    import numpy as np
+
+    from shardpoint.formats import load_parts
+
+    params = len(head.keys)
+    boxes = np.zeros((params, 2, head.width), np.int64)
+    boxes[:, 0, 0], boxes[:, 1] = rank * _ROWS, (_ROWS, _COLUMNS)
+    ids, usable = np.arange(params, dtype=np.int32), np.ones(params, np.bool_)
+    return load_parts.Request(summary, ids.tobytes(), usable.tobytes(), boxes.tobytes(), ("cuda",))
+
+
+def _received(head: Any, planner: int, world: int, summary: Any) -> list:
+    """What ``planner`` hears: each rank's asks of it, routed as :func:`split_plan.asks` routes them.
+
+    Rank ``r``'s box of a parameter is that parameter's row ``r``; only the ranks whose
+    rows fall in the planner's share ask it, so only their requests are routed (a
+    request from each of 16,384 ranks would take minutes to build here).
+    """
+    import numpy as np
+
+    from shardpoint.formats import row_shares, split_plan
+
+    _, _, r0, r1 = row_shares.keys_of(head, planner, world)
+    rows = np.arange(r0, r1)
+    ranks = np.unique(rows - head.first_row[np.searchsorted(head.first_row, rows, side="right") - 1])
+    received: list = [None] * world
+    for rank in [0, *ranks.tolist()]:
+        received[rank] = split_plan.asks(_request(summary, head, rank, world), head, world, 1 << 30)[planner]
+    return received
 
 
 def _plan(chunks: Any, world: int) -> tuple[float, list, Any]:

@@ -152,7 +152,22 @@ class ChunkIndex:
         at: dict[tuple[str, torch.Size], int] = dict(zip(zip(keys, offsets), range(len(chunks))))
         file, offset, length, files = _placement(metadata, at, len(chunks))
         dtypes = [str(md.properties.dtype) if md is not None else None for md in metas]
-        return cls(saved, dtypes, shapes, base, starts, sizes, file, offset, length, files)
+        return cls(saved, dtypes, shapes, base, starts, sizes, file, offset, length, files).in_order()
+
+    def in_order(self) -> ChunkIndex:
+        """This index with each key's rows sorted by their starts, dimension 0 first (itself if they are).
+
+        A chunk's position in a load is its row, so every plan of one checkpoint numbers
+        them alike; and sorted, a key saved as slabs keeps them in its rows
+        (:mod:`~shardpoint.formats.chunk_rows`), whatever order the ranks' plans listed them in.
+        """
+        rows = len(self.file)
+        key = np.repeat(np.arange(len(self.keys)), np.diff(self.first_row))
+        order = np.lexsort((*(self.starts[:, d] for d in reversed(range(self.starts.shape[1]))), key))
+        if rows == 0 or (order == np.arange(rows)).all():
+            return self
+        taken = (self.starts[order], self.sizes[order], self.file[order], self.offset[order], self.length[order])
+        return ChunkIndex(self.keys, self.dtypes, self.shapes, self.first_row, *taken, self.files)
 
 
 def tensor_of(md: TensorStorageMetadata | BytesStorageMetadata, key: str) -> TensorStorageMetadata:
@@ -457,12 +472,15 @@ def check_tensors_fit(
         raise bad(f"it describes more tensor bytes than the {total} bytes stored; nothing was allocated for them")
 
 
-def check_within_files(index: ChunkIndex, sizes: np.ndarray, bad: Callable[[str], Exception]) -> None:
+def check_within_files(
+    index: ChunkIndex, sizes: np.ndarray, bad: Callable[[str], Exception], total: int | None = None
+) -> None:
     """Each item within its file (``sizes``: each file's), the chunks and tensors no bigger than the files.
 
     As :func:`~shardpoint.formats.dcp_metadata.check_stored_items` does for ``.metadata``.
-    ``index`` may hold some keys only (:mod:`~shardpoint.formats.chunk_rows`): the bound
-    is still every file's bytes.
+    ``index`` may hold some keys only, and only the files they use
+    (:mod:`~shardpoint.formats.chunk_rows`): ``total``, the bytes of every file of the
+    checkpoint, is then the bound.
     """
     used = index.file >= 0
     ends = np.zeros(len(index.files), np.int64)
@@ -471,7 +489,7 @@ def check_within_files(index: ChunkIndex, sizes: np.ndarray, bad: Callable[[str]
     if len(over):
         path, end, size = index.files[over[0]][0], int(ends[over[0]]), int(sizes[over[0]])
         raise bad(f"it places stored bytes of {path} up to byte {end}, past its {size} bytes")
-    total = int(sizes.sum())
+    total = int(sizes.sum()) if total is None else total
     check_tensors_fit(index.dtypes, index.shapes, total, bad)
     itemsize = [0 if d is None else _DTYPES[d].itemsize for d in index.dtypes]
     volume = np.repeat(np.array(itemsize, np.float64), np.diff(index.first_row))

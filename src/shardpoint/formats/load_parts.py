@@ -235,6 +235,7 @@ def plan(
     where: str,
     consistent: bool = False,
     dims: int | None = None,
+    names: np.ndarray | None = None,
 ) -> list[Part]:
     """Every rank's :class:`Part`, from the stored chunks and every rank's :class:`Request` for them.
 
@@ -246,7 +247,9 @@ def plan(
     of a split plan chooses them (:func:`~shardpoint.formats.read_plan.choose_readers`),
     not balanced over what this plan sees. ``where``: the checkpoint, for messages.
     ``dims``: the width of the requests' boxes (:func:`width` of the whole outline), when
-    ``chunks`` holds only some keys.
+    ``chunks`` holds only some keys. ``names``: each request's rank in the job, when the
+    requests are only some ranks' (a planner's askers); the parts still number ranks by
+    request, and readers are chosen by these numbers.
     """
     index = chunks if isinstance(chunks, ChunkIndex) else ChunkIndex.from_metadata(chunks, where)
     world, saved = len(requests), index.keys
@@ -267,7 +270,8 @@ def plan(
     if not shared:
         return _Columns.of(table, ranks, at).parts(bounds, missing, unexpected)
     choose = read_plan.choose_readers if consistent else read_plan.plan_reads
-    return _shared_parts(table, world, ranks, at, exact, bounds, requests, budget, missing, unexpected, choose)
+    parts = (table, world, ranks, at, exact, bounds, requests, budget, missing, unexpected, choose)
+    return _shared_parts(*parts, names=names)
 
 
 @dataclass
@@ -329,8 +333,10 @@ def _shared_parts(
     missing: list[str],
     unexpected: list[str],
     choose: Any,
+    names: np.ndarray | None = None,
 ) -> list[Part]:
     needs = read_plan.Needs.from_columns(world, ranks, at, table.length[at], exact)
+    needs.names = names
     paths = [path for path, _ in table.files]
     files = read_plan.Files(table.file, paths)  # no string per chunk (1.2 million at 4096 ranks)
     readers = choose(needs, files)

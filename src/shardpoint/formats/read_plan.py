@@ -39,6 +39,7 @@ class Needs:
     positions: np.ndarray  # int64
     lengths: np.ndarray  # int64: stored bytes
     exact: np.ndarray  # bool: exactly one of the rank's targets
+    names: np.ndarray | None = None  # int64 (world,): each rank's number in the job, where ranks count only some
 
     @classmethod
     def from_dicts(cls, needs: Sequence[Mapping[int, Need]]) -> Needs:
@@ -139,7 +140,8 @@ def choose_readers(needs: Needs, files: Sequence[str] | Files) -> dict[str, int]
     load at the saved layout: balanced, and local on a node-local tier); otherwise the
     needer with the highest hash of (file, rank), a rendezvous choice that agrees across
     planners whenever they see the same needers (data-parallel replicas do) and spreads
-    files evenly over them.
+    files evenly over them. Ranks are compared by their numbers in the job
+    (``needs.names``) when a planner counts only the ranks that asked it.
     """
     if not len(needs.ranks):
         return {}
@@ -150,9 +152,10 @@ def choose_readers(needs: Needs, files: Sequence[str] | Files) -> dict[str, int]
     writer = np.array([_writer_of(name) for name in names], np.int64)
     seed = np.array([xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) for name in names], np.uint64)
     file = np.searchsorted(used, needed)
-    score = _mixed(seed[file] ^ needs.ranks.astype(np.uint64))
-    score[needs.ranks == writer[file]] = np.uint64(2**64 - 1)  # the writer first
-    order = np.lexsort((needs.ranks, score, file))  # within a file: highest score last, ties to the higher rank
+    named = needs.ranks if needs.names is None else needs.names[needs.ranks]  # the job's rank numbers
+    score = _mixed(seed[file] ^ named.astype(np.uint64))
+    score[named == writer[file]] = np.uint64(2**64 - 1)  # the writer first
+    order = np.lexsort((named, score, file))  # within a file: highest score last, ties to the higher rank
     last = np.flatnonzero(np.append(file[order][1:] != file[order][:-1], True))
     return dict(zip(names, needs.ranks[order][last].tolist()))
 

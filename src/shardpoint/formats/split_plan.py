@@ -1,30 +1,31 @@
-"""A load's plan split by key across ranks: no rank reads, holds or plans the whole job.
+"""A load's plan split across ranks by rows of the index: no rank reads, holds or plans the whole job.
 
 Planned on rank 0 (:mod:`~shardpoint.formats.load_parts`), a load at 16,384 ranks ×
 300 tensors put every rank's boxes (4.9 million) and the whole chunk index (256 MB)
 on one process, which took seconds and a gigabyte while every other rank waited. Here
-each rank plans the keys whose rows of the index fall in its share of them:
+each rank plans an equal share of the index's rows (:mod:`~shardpoint.formats.row_shares`):
 
 1. rank 0 reads and checks the index's head (``.chunk_index``: the outline, each key's
-   rows and their checksum, the files; no chunks) and broadcasts it (:func:`share_head`);
-2. each rank places its targets against the outline and sends each key's boxes to that
-   key's planner (:func:`asks`), one all-to-all (:func:`shardpoint.parallel.comm.spread`);
-3. each planner reads its keys' rows of ``.chunk_rows``, one ranged read checked key by
-   key (:func:`~shardpoint.formats.chunk_rows.read_rows`), and plans them as rank 0 plans
-   a whole load (:func:`~shardpoint.formats.load_parts.plan`), with each file's reader
-   chosen as every other planner chooses it
+   rows and slabs, the files; no chunks) and broadcasts it (:func:`share_head`);
+2. each rank places its targets against the outline and sends each box to the planners
+   whose rows it can overlap (:func:`asks`; one, at the layout it was saved at), one
+   all-to-all (:func:`shardpoint.parallel.comm.spread`);
+3. each planner reads its rows of ``.chunk_rows``, one ranged read checked block by
+   block (:func:`~shardpoint.formats.chunk_rows.read_span`), and plans them as rank 0
+   plans a whole load (:func:`~shardpoint.formats.load_parts.plan`), with each file's
+   reader chosen as every other planner chooses it
    (:func:`~shardpoint.formats.read_plan.choose_readers`) and each rank's exchange
-   buffers bounded by the share of its bound those keys hold (:func:`plan_keys`);
+   buffers bounded by the share of its bound those boxes hold (:func:`plan_keys`);
 4. a second all-to-all gives each rank its piece from every planner, which it joins into
    its :class:`~shardpoint.formats.load_parts.Part` (:func:`join`).
 
-Keys go to planners by their first row (:func:`owners`): a planner's rows are its share
-of the index, or one key's rows when a key has more (one chunk per saving rank), so
-memory and work per rank are bounded by the larger of the two, not by the job. Bytes of
-index read, summed over ranks, are the index's size: each key's rows are read once.
-Planner 0 also carries what the whole job must agree on (the device types of every
-rank's targets, the keys asked for that were not saved, the parts of the state asked
-for), so every rank ends with the same verdicts.
+A planner holds its share of the rows plus at most a block, and hears only from the
+ranks whose boxes reach its rows, however many ranks saved one tensor; a tensor whose
+rows keep no slabs is planned whole by one planner. Bytes of index read, summed over
+ranks, are the index's size: each block is read once. Planner 0 also carries what the
+whole job must agree on (the device types of every rank's targets, the keys asked for
+that were not saved, the parts of the state asked for), so every rank ends with the
+same verdicts.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from shardpoint.catalog.metadata import FileRecord
-from shardpoint.formats import chunk_rows, load_parts, shared_reads
+from shardpoint.formats import chunk_rows, load_parts, row_shares, shared_reads
 from shardpoint.formats.base import unexpected_keys, wanted_keys
 from shardpoint.formats.chunk_rows import ROWS_NAME, Head
 from shardpoint.formats.load_parts import Part, Request
@@ -48,7 +49,6 @@ __all__ = [
     "Piece",
     "asks",
     "join",
-    "owners",
     "plan_keys",
     "plan_part",
     "share_head",
@@ -62,26 +62,17 @@ def share_head(reader: Any, listed: dict[str, FileRecord]) -> Head:
     return comm.from_root(lambda: chunk_rows.read_head(reader, listed), "reading the chunk index")
 
 
-def owners(first_row: np.ndarray, world: int) -> np.ndarray:
-    """The planner of each key: the rank whose equal share of the index's rows holds the key's first row."""
-    rows = int(first_row[-1]) if len(first_row) else 0
-    keys = len(first_row) - 1
-    if rows == 0:
-        return np.zeros(keys, np.int64)
-    return np.minimum(first_row[:-1] * world // rows, world - 1)
-
-
 class Ask(NamedTuple):
-    """What one rank sends one planner: its boxes of that planner's keys, and its share of the buffer bound.
+    """What one rank sends one planner: its boxes that reach that planner's rows, and its share of the buffer bound.
 
     Sent as a plain tuple (:func:`plan_part`): a pickled class costs its name in every
-    frame, and a planner of one key at 16,384 ranks receives an ask from every rank.
+    frame, and a planner may hear from thousands of ranks.
     """
 
-    ids: bytes  # int32: the key of each box, counted from the planner's first key
+    ids: bytes  # int32: the key of each box, counted from the planner's first key (row_shares.key_ranges)
     usable: bytes
     boxes: bytes
-    share: int  # bytes of the rank's exchange bound these keys may use
+    share: int  # bytes of the rank's exchange bound these boxes may use
     types: tuple[str, ...]
     agreed: tuple[tuple[str, ...], list[str]] | None = None  # to planner 0: the parts asked for, keys not saved
 
@@ -89,43 +80,52 @@ class Ask(NamedTuple):
 def asks(request: Request, head: Head, world: int, budget: int) -> list[Ask | None]:
     """This rank's :class:`Ask` of each planner (None: nothing to ask), from its whole-job :class:`Request`.
 
-    The rank's exchange bound is shared among its planners by the bytes of its boxes
-    each holds, so the pieces it receives together never exceed it.
+    Each box goes to every planner whose rows it can overlap (:func:`row_shares.planners_of`:
+    one, at the layout it was saved at). The rank's exchange bound is shared among its
+    planners by the bytes of its boxes each holds, so the pieces it receives together
+    never exceed it.
     """
     ids = np.frombuffer(request.ids, np.int32)
     usable = np.frombuffer(request.usable, np.bool_)
     boxes = np.frombuffer(request.boxes, np.int64).reshape(len(ids), 2, -1) if len(ids) else np.zeros((0, 2, 1))
-    owner = owners(head.first_row, world)
-    key_owner = owner[ids]
-    order = np.argsort(key_owner, kind="stable")
-    bounds = np.searchsorted(key_owner[order], np.arange(world + 1))
-    first_key = np.searchsorted(owner, np.arange(world))  # each planner's first key
+    lo, hi = row_shares.planners_of(head, ids, boxes, world)
+    fan = hi - lo + 1
+    box = np.repeat(np.arange(len(ids)), fan)
+    planner = np.repeat(lo, fan) + np.arange(len(box)) - np.repeat(np.cumsum(fan) - fan, fan)
+    k0, k1 = row_shares.key_ranges(head, planner, world)
+    local = ids[box] - k0
+    held = (local >= 0) & (local < k1 - k0)  # not a planner between two whose shares are empty
+    box, planner, local = box[held], planner[held], local[held].astype(np.int32)
+    fan = np.bincount(box, minlength=len(ids))
     itemsize = np.array([_ITEMSIZE.get(d or "", 1) for d in head.dtypes] or [1], np.float64)
-    volume = boxes[:, 1].prod(axis=1).astype(np.float64) * itemsize[ids] if len(ids) else np.zeros(0)
-    per_planner = np.bincount(key_owner, volume, world) if len(ids) else np.zeros(world)
+    volume = (
+        boxes[:, 1].prod(axis=1).astype(np.float64) * itemsize[ids] / np.maximum(fan, 1) if len(ids) else np.zeros(0)
+    )
+    per_planner = np.bincount(planner, volume[box], world) if len(box) else np.zeros(world)
     total = float(per_planner.sum()) or 1.0
-    saved = head.keys
-    wanted = wanted_keys([request.keys], saved)
+    order = np.argsort(planner, kind="stable")
+    bounds = np.searchsorted(planner[order], np.arange(world + 1))
+    wanted = wanted_keys([request.keys], head.keys)
     agreed = (tuple(sorted({key.split(".", 1)[0] for key in wanted})), list(request.keys[1]))
     out: list[Ask | None] = [None] * world
     for p in np.flatnonzero(np.diff(bounds)).tolist():
-        mine = order[bounds[p] : bounds[p + 1]]
-        local = (ids[mine] - first_key[p]).astype(np.int32)
+        pairs = order[bounds[p] : bounds[p + 1]]
+        mine = box[pairs]
         share = int(budget * per_planner[p] / total)
-        out[p] = Ask(local.tobytes(), usable[mine].tobytes(), boxes[mine].tobytes(), share, request.types)
+        out[p] = Ask(local[pairs].tobytes(), usable[mine].tobytes(), boxes[mine].tobytes(), share, request.types)
     out[0] = (out[0] or Ask(b"", b"", b"", 0, request.types))._replace(agreed=agreed)
     return out
 
 
 class Piece(NamedTuple):
-    """What a planner sends one rank: its part of that planner's keys, and what every rank must agree on.
+    """What a planner sends one rank: its part of that planner's rows, and what every rank must agree on.
 
     Sent as a plain tuple, as :class:`Ask` is.
     """
 
     part: tuple | None  # _wire(Part), positions and keys already global
-    needed: bool  # some rank receives something from this planner's keys
-    unwanted: bytes  # int64: keys of this planner that no rank asked for
+    needed: bool  # some rank receives something from this planner's rows
+    unwanted: bytes  # int64: keys this planner plans that no rank asked it for
     agreed: tuple[tuple[str, ...], tuple[str, ...], list[str]] | None = None  # from planner 0: types, parts, missing
 
 
@@ -138,7 +138,7 @@ def plan_keys(
     size_of: Callable[[str], int],
     planner: int | None = None,
 ) -> list[Piece | None]:
-    """This planner's pieces, one per rank, from every rank's :class:`Ask` of its keys.
+    """This planner's pieces, one per rank, from every rank's :class:`Ask` of its rows.
 
     ``read_range(start, length)``: bytes of ``.chunk_rows``; ``shared``: replicas split
     the reading (the same on every planner); ``size_of``: a listed file's size;
@@ -146,9 +146,8 @@ def plan_keys(
     """
     world = len(received)
     me = comm.rank() if planner is None else planner
-    owner = owners(head.first_row, world)
-    k0, k1 = (int(k) for k in np.searchsorted(owner, [me, me + 1]))
-    asked = [a or Ask(b"", b"", b"", 0, ()) for a in received]
+    k0, k1, r0, r1 = row_shares.keys_of(head, me, world)
+    asked = [a for a in received if a is not None]  # not an empty Ask per silent rank: 16,384 of them
     agreed = None
     if me == 0:
         types = tuple(sorted({t for a in asked for t in a.types}))
@@ -157,34 +156,43 @@ def plan_keys(
         agreed = (types, tuple(sorted(asked_parts)), missing)
     if k1 == k0:
         return [Piece(None, False, b"", agreed) for _ in range(world)] if agreed else [None] * world
-    sub = chunk_rows.read_rows(read_range, head, k0, k1, f"{where}/{ROWS_NAME}", size_of)
+    sub = chunk_rows.read_span(read_range, head, k0, k1, r0, r1, f"{where}/{ROWS_NAME}", size_of)
+    who = [r for r, a in enumerate(received) if a is not None and a.ids]  # only the ranks that asked plan here
     nothing: tuple[bytes, list[str]] = (np.zeros((k1 - k0 + 7) // 8, np.uint8).tobytes(), [])
-    requests = [Request(nothing, a.ids, a.usable, a.boxes, a.types) for a in asked]
-    budgets = np.array([a.share for a in asked], np.int64)
+    their = [received[r] for r in who]
+    requests = [Request(nothing, a.ids, a.usable, a.boxes, a.types) for a in their]  # type: ignore[union-attr]
+    budgets = np.array([a.share for a in their], np.int64)  # type: ignore[union-attr]
     dims = max([1, *map(len, head.shapes)])  # the requests' boxes: load_parts.width of the whole outline
-    parts = load_parts.plan(sub, requests, shared, budgets, where, consistent=True, dims=dims)
-    ids = np.concatenate([np.frombuffer(a.ids, np.int32) for a in asked]) if asked else np.zeros(0, np.int32)
+    names = np.array(who, np.int64)
+    parts = load_parts.plan(sub, requests, shared, budgets, where, consistent=True, dims=dims, names=names)
+    ids = np.concatenate([np.frombuffer(r.ids, np.int32) for r in requests] or [np.zeros(0, np.int32)])
     asked_for = np.zeros(k1 - k0, np.bool_)
     asked_for[ids] = True  # not np.setdiff1d: numpy.ma is imported on its first use (a first load's reads)
     unwanted = (np.flatnonzero(~asked_for) + k0).astype(np.int64).tobytes()
-    base = int(head.first_row[k0])  # the rows read start at the planner's first key
     needed = any(part.needed for part in parts)
-    pieces: list[Piece | None] = []
-    for part in parts:
+    quiet = Piece(None, needed, unwanted, agreed) if needed or unwanted or agreed else None
+    pieces: list[Piece | None] = [quiet] * world
+    for rank, part in zip(who, parts):
         if len(part.positions) or part.sends:
-            pieces.append(Piece(_wire(part, base, k0), needed, unwanted, agreed))
-        else:
-            pieces.append(Piece(None, needed, unwanted, agreed) if needed or unwanted or agreed else None)
+            pieces[rank] = Piece(_wire(part, r0, k0, names), needed, unwanted, agreed)
     return pieces
 
 
-def join(pieces: Sequence[Piece | None], saved: Sequence[str]) -> Part:
-    """This rank's :class:`Part` of the whole load, from its piece of every planner's keys (in key order)."""
+def join(pieces: Sequence[Piece | None], head: Head) -> Part:
+    """This rank's :class:`Part` of the whole load, from its piece of every planner's rows (in planner order).
+
+    A key is unwanted when every planner of its rows found it unasked
+    (:func:`row_shares.holders`): one planner's rows of a tensor may be asked by no rank
+    while another's are.
+    """
     got = [p for p in pieces if p is not None]
     parts = [_unwire(p.part) for p in got if p.part is not None]
     agreed = next((p.agreed for p in got if p.agreed is not None), ((), (), []))
     types, asked_parts, missing = agreed
-    unwanted = {saved[k] for p in got for k in np.frombuffer(p.unwanted, np.int64).tolist()}
+    found = np.concatenate([np.frombuffer(p.unwanted, np.int64) for p in got] or [np.zeros(0, np.int64)])
+    keys, times = np.unique(found, return_counts=True)
+    unasked = keys[times == row_shares.holders(head, keys, len(pieces))] if len(keys) else keys
+    unwanted = {head.keys[k] for k in unasked.tolist()}
     # unexpected_keys keeps the saved keys nobody asked for in the parts asked for (its `wanted` gives the parts)
     unexpected = unexpected_keys(unwanted, {f"{part}." for part in asked_parts})
     part = _joined(parts)
@@ -194,11 +202,15 @@ def join(pieces: Sequence[Piece | None], saved: Sequence[str]) -> Part:
     return part
 
 
-def _wire(part: Part, base: int, k0: int) -> tuple:
-    """``part`` as bytes and short lists (a few hundred bytes for a part of one chunk: it rides in the frame)."""
-    sends = {at + base: ranks for at, ranks in part.sends.items()}
+def _wire(part: Part, base: int, k0: int, names: np.ndarray) -> tuple:
+    """``part`` as bytes and short lists (a few hundred bytes for a part of one chunk: it rides in the frame).
+
+    Positions and keys counted from the whole index's, ranks (``names``: each asker's) the job's.
+    """
+    sends = {at + base: names[ranks].tolist() for at, ranks in part.sends.items()}
     columns = (part.positions + base, part.keys + k0, part.starts, part.sizes, part.file, part.offset, part.length)
-    moved = (part.readers, part.receives + base, part.direct + base)
+    readers = names[part.readers].astype(np.int32) if len(part.readers) else part.readers
+    moved = (readers, part.receives + base, part.direct + base)
     return (
         part.starts.shape[1],
         tuple(c.tobytes() for c in (*columns, *moved)),  # C order, whatever the view
@@ -287,4 +299,4 @@ def plan_part(
         return [None if p is None else tuple(p) for p in pieces]
 
     pieces = comm.spread(ask, plan, "preparing the load")
-    return join([None if p is None else Piece(*p) for p in pieces], head.keys)
+    return join([None if p is None else Piece(*p) for p in pieces], head)
