@@ -489,6 +489,10 @@ _INDEX_VALUES = {
     "split_dim": [-1, 1, 64, 2**40],
     "slab_step": [-1, 1, 2**40],
     "slab_rows": [-1, 0, 1, 2**40],
+    "run_start": [-2, -1, 0, 10**18, 2**62],
+    "run_count": [-1, 0, 2, 2**40, 2**62],
+    "run_prefix_ends": [-1, 0, 10**6],
+    "run_suffix_ends": [-1, 0, 10**6],
 }
 _INDEX_HEADER = {
     "dtypes": ['["os.system"]', "[]", "{}", "[1]", "x"],
@@ -500,6 +504,7 @@ _INDEX_HEADER = {
     "width": ["0", "65", "-1", "x", "1", "9" * 30],
     "block_rows": ["0", "1", "-1", "x", "9" * 30],
     "nonce": ["0", "-1", "x", str(2**64)],
+    "run_descriptors": ['[["x"]]', "[]", "x", "[1]", "[null, null]"],
 }
 
 
@@ -516,10 +521,12 @@ def _mutate_index(data: Any, path: Path, rel: str) -> Mutant:
     if what == "path":  # a file name leading out of the checkpoint or into a canary
         value = data.draw(st.sampled_from(_path_values(path.parent, "__0_0.distcp")), label="value")
         encoded = value.encode("utf-8", "surrogatepass")
-        ends = arrays["file_ends"]
-        first = int(ends[0]) if len(ends) else 0
-        arrays["file_names"] = np.frombuffer(encoded + arrays["file_names"].tobytes()[first:], np.uint8).copy()
-        arrays["file_ends"] = ends - first + len(encoded)
+        names, ends = ("file_names", "file_ends") if "file_names" in arrays else ("run_prefixes", "run_prefix_ends")
+        first = int(arrays[ends][0]) if len(arrays[ends]) else 0
+        arrays[names] = np.frombuffer(encoded + arrays[names].tobytes()[first:], np.uint8).copy()
+        arrays[ends] = arrays[ends] - first + len(encoded)
+        if "run_start" in arrays and len(arrays["run_start"]):  # version 2: the first run, the name whole
+            arrays["run_start"][0], arrays["run_count"][0] = -1, 1
         how = f"first file named {value!r}"
     elif what == "column":
         column = data.draw(st.sampled_from(sorted(set(_INDEX_VALUES) & set(arrays))), label="column")

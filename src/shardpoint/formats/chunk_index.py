@@ -62,6 +62,7 @@ from shardpoint.formats import chunk_rows
 from shardpoint.formats.batched_writes import sync_stream
 from shardpoint.formats.chunk_rows import ROWS_NAME
 from shardpoint.formats.chunk_table import (
+    FILE_COLUMNS,
     OUTLINE_COLUMNS,
     ChunkIndex,
     IndexReads,
@@ -102,6 +103,7 @@ INDEX_NAME = ".chunk_index"
 _VERSION = "1"
 _COLUMNS = {  # name: (dtype, ndim): the outline's, and the rows'
     **OUTLINE_COLUMNS,
+    **FILE_COLUMNS,
     "starts": (np.int64, 2),
     "sizes": (np.int64, 2),
     "file": (np.int32, 1),

@@ -38,7 +38,7 @@ name, naming the key whose block differs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ import xxhash
 
 from shardpoint.catalog.metadata import FileRecord, listed_record
 from shardpoint.errors import CorruptCheckpointError
+from shardpoint.formats import file_runs
 from shardpoint.formats.chunk_table import (
     FIX,
     OUTLINE_COLUMNS,
@@ -68,6 +69,7 @@ from shardpoint.formats.chunk_table import (
     read,
 )
 from shardpoint.formats.dcp_metadata import DCP_METADATA
+from shardpoint.formats.file_runs import FileRuns
 from shardpoint.formats.safetensors_index import RangeReader
 from shardpoint.storage.base import Storage
 
@@ -99,6 +101,7 @@ _LIMIT = 1 << 62
 _MASK = (1 << 64) - 1
 _HEAD_COLUMNS = {
     **OUTLINE_COLUMNS,
+    **file_runs.RUN_COLUMNS,
     "split_dim": (np.int64, 1),
     "slab_step": (np.int64, 1),  # 0: the key's rows keep no slabs; one planner plans them all
     "slab_rows": (np.int64, 1),
@@ -127,13 +130,13 @@ class Head:
     shapes: list[tuple[int, ...]]
     first_row: np.ndarray  # int64 (keys + 1,)
     width: int
-    files: list[File]
+    files: Sequence[File]  # formats.file_runs.FileRuns once read: names built when asked for
     nonce: int  # seeds each block's checksum (with the block's number)
     split_dim: np.ndarray  # int64 (keys,): the dimension a key's slabs cut
     slab_step: np.ndarray  # int64 (keys,): elements per slab along it; 0: no slabs
     slab_rows: np.ndarray  # int64 (keys,): rows per slab
     block_rows: int = BLOCK_ROWS
-    file_sizes: np.ndarray | None = None  # int64 (files,): the marker's sizes, once checked (decode_head)
+    total_bytes: int | None = None  # every file's bytes, as the marker lists them (decode_head)
     block_base: np.ndarray = field(init=False)  # int64 (keys + 1,): blocks before each key
 
     def __post_init__(self) -> None:
@@ -180,7 +183,13 @@ def encode_split(
     records = np.empty(len(index.file), record_dtype(width))
     records["starts"], records["sizes"] = index.starts, index.sizes
     records["file"], records["offset"], records["length"] = index.file, index.offset, index.length
-    arrays, found = outline_columns(index, metadata, VERSION)
+    arrays, found = outline_columns(index, metadata, VERSION, files=False)
+    runs, named, renumbered = file_runs.encode(index.files)
+    if len(renumbered):  # numbers outside the files stay as they are (tests craft them)
+        known = (index.file >= 0) & (index.file < len(renumbered))
+        records["file"] = np.where(known, renumbered[np.clip(index.file, 0, len(renumbered) - 1)], index.file)
+    arrays.update(runs)
+    found.update(named)
     arrays["split_dim"], arrays["slab_step"], arrays["slab_rows"] = _slabs(index)
     found.update(width=str(width), block_rows=str(block_rows), nonce=str(nonce))
     head = safetensors.numpy.save(arrays, metadata=found)
@@ -273,7 +282,7 @@ def decode_head(data: bytes, name: str, metadata: FileRecord | None, size_of: Ca
     if rows is None or width is None or not block_rows or nonce is None:
         raise bad("its counts of chunks, dimensions or rows per block are not numbers in range")
     arrays = columns(data, name, _HEAD_COLUMNS)
-    outlined = check_outline(arrays, found, name, rows)
+    outlined = check_outline(arrays, found, name, rows, file_runs.decode(arrays, found, name))
     ndim = np.fromiter(map(len, outlined.shapes), np.int64, len(outlined.shapes))
     if not max([1, *ndim.tolist()]) <= width:
         raise bad("its rows have fewer dimensions than its tensors")
@@ -289,8 +298,8 @@ def decode_head(data: bytes, name: str, metadata: FileRecord | None, size_of: Ca
         raise bad(
             f"the marker lists {ROWS_NAME} of {size_of(ROWS_NAME)} bytes, where its {rows} rows are {head.size()}"
         )
-    head.file_sizes = file_sizes(outlined.files, size_of)
-    check_tensors_fit(outlined.dtypes, outlined.shapes, int(head.file_sizes.sum()), bad)
+    head.total_bytes = sum(size_of(path) for path, _ in outlined.files)  # each listed; none kept
+    check_tensors_fit(outlined.dtypes, outlined.shapes, head.total_bytes, bad)
     return head
 
 
@@ -354,12 +363,12 @@ def read_span(
     index = ChunkIndex(keys, dtypes, shapes, first_row, starts, sizes, file, offset, length_, head.files)
     bad = complaint(name)
     check_chunks(index, np.diff(first_row), bad)  # file ids in range before they become int32
-    sizes_of_files = head.file_sizes if head.file_sizes is not None else file_sizes(head.files, size_of)
     used = np.unique(file[file >= 0])  # only these files: a share of rows at 16,384 ranks names a few hundred
-    index.files = [head.files[i] for i in used.tolist()]
+    index.files = head.files.take(used) if isinstance(head.files, FileRuns) else [head.files[i] for i in used.tolist()]
     file = np.where(file >= 0, np.searchsorted(used, file), -1)
     index.file = file
-    check_within_files(index, sizes_of_files[used], bad, total=int(sizes_of_files.sum()))
+    total = head.total_bytes if head.total_bytes is not None else sum(size_of(path) for path, _ in head.files)
+    check_within_files(index, file_sizes(index.files, size_of), bad, total=total)
     slabs = (head.split_dim[k0:k1], head.slab_step[k0:k1], head.slab_rows[k0:k1])
     kept = _keeps(head.first_row[k0 : k1 + 1] - r0, *slabs, starts, sizes, 0, r1 - r0)
     broken = np.flatnonzero(~kept & (slabs[1] > 0))

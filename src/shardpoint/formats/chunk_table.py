@@ -39,6 +39,7 @@ from shardpoint.catalog.untrusted_json import parse_json_object
 from shardpoint.errors import CorruptCheckpointError
 
 __all__ = [
+    "FILE_COLUMNS",
     "FIX",
     "FORMAT",
     "OUTLINE_COLUMNS",
@@ -54,6 +55,8 @@ __all__ = [
     "check_within_files",
     "columns",
     "complaint",
+    "decode_names",
+    "encode_names",
     "file_sizes",
     "header",
     "index_reads",
@@ -233,15 +236,16 @@ OUTLINE_COLUMNS = {
     "shape_ends": (np.int64, 1),
     "shapes": (np.int64, 1),
     "first_row": (np.int64, 1),
-    "file_names": (np.uint8, 1),
-    "file_ends": (np.int64, 1),
 }
+#: the files as version 1 names them, one name each (version 2 names them by runs: formats.file_runs)
+FILE_COLUMNS = {"file_names": (np.uint8, 1), "file_ends": (np.int64, 1)}
 
 
-def outline_columns(index: ChunkIndex, metadata: FileRecord, version: str) -> tuple[dict[str, np.ndarray], dict]:
-    """The columns and header fields every version writes: the outline, the row ranges, the files."""
-    names, name_ends = _blob(index.keys)
-    files, file_ends = _blob([path for path, _ in index.files])
+def outline_columns(
+    index: ChunkIndex, metadata: FileRecord, version: str, files: bool = True
+) -> tuple[dict[str, np.ndarray], dict]:
+    """The columns and header fields every version writes: the outline, the row ranges, the files (``files``)."""
+    names, name_ends = encode_names(index.keys)
     dtypes = sorted({d for d in index.dtypes if d is not None})
     code = {d: i for i, d in enumerate(dtypes)}
     header = {
@@ -253,8 +257,6 @@ def outline_columns(index: ChunkIndex, metadata: FileRecord, version: str) -> tu
         "rows": str(len(index.file)),
         "dtypes": json.dumps(dtypes),
     }
-    if any(d is not None for _, d in index.files):
-        header["descriptors"] = json.dumps([None if d is None else list(d) for _, d in index.files])
     arrays = {
         "key_names": names,
         "key_ends": name_ends,
@@ -262,13 +264,16 @@ def outline_columns(index: ChunkIndex, metadata: FileRecord, version: str) -> tu
         "shape_ends": np.cumsum(np.fromiter(map(len, index.shapes), np.int64, len(index.shapes)), dtype=np.int64),
         "shapes": np.fromiter(itertools.chain.from_iterable(index.shapes), np.int64),
         "first_row": index.first_row.astype(np.int64),
-        "file_names": files,
-        "file_ends": file_ends,
     }
+    if files:
+        arrays["file_names"], arrays["file_ends"] = encode_names([path for path, _ in index.files])
+        if any(d is not None for _, d in index.files):
+            header["descriptors"] = json.dumps([None if d is None else list(d) for _, d in index.files])
     return arrays, header
 
 
-def _blob(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def encode_names(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``names`` as one blob of UTF-8 and each name's end in it: two columns, no pickle."""
     encoded = [name.encode("utf-8", "surrogatepass") for name in names]
     ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), dtype=np.int64)
     return np.frombuffer(b"".join(encoded), np.uint8).copy(), ends
@@ -354,14 +359,22 @@ class Outlined:
     shapes: list[tuple[int, ...]]
     first_row: np.ndarray  # int64 (keys + 1,)
     counts: np.ndarray  # int64 (keys,): rows per key
-    files: list[File]
+    files: Sequence[File]
 
 
-def check_outline(arrays: Mapping[str, np.ndarray], found: Mapping[str, Any], name: str, rows: int) -> Outlined:
-    """Keys, dtypes, shapes, row ranges and files, each checked; ``rows``: the chunks the index holds."""
+def check_outline(
+    arrays: Mapping[str, np.ndarray],
+    found: Mapping[str, Any],
+    name: str,
+    rows: int,
+    files: Sequence[File] | None = None,
+) -> Outlined:
+    """Keys, dtypes, shapes, row ranges and files, each checked; ``rows``: the chunks the index holds.
+
+    ``files``: the files, where the index names them another way than :data:`FILE_COLUMNS`.
+    """
     bad = complaint(name)
-    keys = _names(arrays["key_names"], arrays["key_ends"], name, "key")
-    paths = _names(arrays["file_names"], arrays["file_ends"], name, "file")
+    keys = decode_names(arrays["key_names"], arrays["key_ends"], name, "key")
     tensors = len(keys)
     if found.get("tensors") != str(tensors) or found.get("rows") != str(rows):
         raise bad("its counts of tensors and chunks differ from its columns")
@@ -375,10 +388,13 @@ def check_outline(arrays: Mapping[str, np.ndarray], found: Mapping[str, Any], na
     counts = np.diff(first_row)
     if (counts < 0).any() or any(dtype is None and count for dtype, count in zip(dtypes, counts.tolist())):
         raise bad("a row range is negative, or a bytes item has chunks")
-    return Outlined(keys, dtypes, shapes, first_row, counts, _files(paths, found, bad))
+    if files is None:
+        files = _files(decode_names(arrays["file_names"], arrays["file_ends"], name, "file"), found, bad)
+    return Outlined(keys, dtypes, shapes, first_row, counts, files)
 
 
-def _names(blob: np.ndarray, ends: np.ndarray, name: str, what: str) -> list[str]:
+def decode_names(blob: np.ndarray, ends: np.ndarray, name: str, what: str) -> list[str]:
+    """Names from a blob of UTF-8 and each name's end in it (:func:`encode_names`), checked."""
     if len(ends) and ((np.diff(ends) < 0).any() or ends[0] < 0 or ends[-1] != len(blob)):
         raise CorruptCheckpointError(f"{name}: its {what} names do not fit their table; it is damaged. {FIX}")
     if not len(ends) and len(blob):
