@@ -52,7 +52,7 @@ def test_16384_ranks_files_are_one_run_and_the_broadcast_head_stays_small():
     world = 16384
     files = sorted([(f"__{r}_0.distcp", None) for r in range(world)])  # as the index numbers them: by name
     runs, _ = _round_trip(files)
-    assert len(runs.count) == 1 and len(runs) == world
+    assert len(runs.counts) == 1 and len(runs) == world
     index = _row_blocks(world, 4, files)
     head_bytes, rows = chunk_rows.encode_split(index, FileRecord(1, "00"))
     sizes = {chunk_rows.ROWS_NAME: len(rows), **{path: 1 << 20 for path, _ in files}}

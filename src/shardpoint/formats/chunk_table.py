@@ -123,7 +123,7 @@ class ChunkIndex:
     file: np.ndarray  # int32 (rows,): index into ``files``; -1: no stored data listed
     offset: np.ndarray  # int64 (rows,)
     length: np.ndarray  # int64 (rows,)
-    files: list[File]
+    files: Sequence[File]  # a list, or formats.file_runs.FileRuns (names built when asked for)
 
     @property
     def outline(self) -> Outline:

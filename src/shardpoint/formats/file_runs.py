@@ -45,7 +45,7 @@ class FileRuns(Sequence[File]):
         self, prefixes: list[str], suffixes: list[str], start: np.ndarray, count: np.ndarray, descriptors: list
     ) -> None:
         self.prefixes, self.suffixes, self.descriptors = prefixes, suffixes, descriptors
-        self.start, self.count = start, count
+        self.starts, self.counts = start, count
         self.ends = np.cumsum(count, dtype=np.int64)
 
     def __len__(self) -> int:
@@ -62,25 +62,25 @@ class FileRuns(Sequence[File]):
             raise IndexError(i)
         i %= len(self)
         run = int(np.searchsorted(self.ends, i, side="right"))
-        first = int(self.start[run])
+        first = int(self.starts[run])
         if first < 0:
             return self.prefixes[run], self.descriptors[run]
-        number = first + i - int(self.ends[run] - self.count[run])
+        number = first + i - int(self.ends[run] - self.counts[run])
         return f"{self.prefixes[run]}{number}{self.suffixes[run]}", self.descriptors[run]
 
     def take(self, numbers: np.ndarray) -> list[File]:
         """The files of ``numbers`` (ascending or not), built together: a planner's few hundred of 16,384."""
         run = np.searchsorted(self.ends, numbers, side="right")
-        number = (self.start[run] + numbers - (self.ends[run] - self.count[run])).tolist()
+        number = (self.starts[run] + numbers - (self.ends[run] - self.counts[run])).tolist()
         prefixes, suffixes, descriptors = self.prefixes, self.suffixes, self.descriptors
-        whole = (self.start < 0).tolist()  # a run of one: the prefix is the name
+        whole = (self.starts < 0).tolist()  # a run of one: the prefix is the name
         return [
             (prefixes[r] if whole[r] else f"{prefixes[r]}{n}{suffixes[r]}", descriptors[r])
             for r, n in zip(run.tolist(), number)
         ]
 
     def __iter__(self) -> Iterator[File]:
-        for run, (first, count) in enumerate(zip(self.start.tolist(), self.count.tolist())):
+        for run, (first, count) in enumerate(zip(self.starts.tolist(), self.counts.tolist())):
             d = self.descriptors[run]
             if first < 0:
                 yield self.prefixes[run], d

@@ -206,7 +206,7 @@ class _Table:
     file: np.ndarray  # -1: no stored data listed for the chunk
     offset: np.ndarray
     length: np.ndarray
-    files: list[tuple[str, tuple[str, ...] | None]]
+    files: Sequence[tuple[str, tuple[str, ...] | None]]
 
     @classmethod
     def of(cls, index: ChunkIndex, dims: int) -> _Table:
