@@ -31,7 +31,7 @@ in ``.metadata``'s order (the index's rows).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,7 +236,8 @@ def plan(
     consistent: bool = False,
     dims: int | None = None,
     names: np.ndarray | None = None,
-) -> list[Part]:
+    finish: Callable[[Part], Any] | None = None,
+) -> list[Any]:
     """Every rank's :class:`Part`, from the stored chunks and every rank's :class:`Request` for them.
 
     ``chunks``: the checkpoint's :class:`~shardpoint.formats.chunk_index.ChunkIndex` (or
@@ -249,7 +250,9 @@ def plan(
     ``dims``: the width of the requests' boxes (:func:`width` of the whole outline), when
     ``chunks`` holds only some keys. ``names``: each request's rank in the job, when the
     requests are only some ranks' (a planner's askers); the parts still number ranks by
-    request, and readers are chosen by these numbers.
+    request, and readers are chosen by these numbers. ``finish``: applied to each rank's
+    part as it is made, the result kept in its place (a planner wires each as it goes,
+    rather than holding every asker's part at once).
     """
     index = chunks if isinstance(chunks, ChunkIndex) else ChunkIndex.from_metadata(chunks, where)
     world, saved = len(requests), index.keys
@@ -268,10 +271,14 @@ def plan(
         ranks, at, exact = ranks[order], at[order], exact[order]
     bounds = np.searchsorted(ranks, np.arange(world + 1))
     if not shared:
-        return _Columns.of(table, ranks, at).parts(bounds, missing, unexpected)
+        return [(finish or _same)(part) for part in _Columns.of(table, ranks, at).parts(bounds, missing, unexpected)]
     choose = read_plan.choose_readers if consistent else read_plan.plan_reads
     parts = (table, world, ranks, at, exact, bounds, requests, budget, missing, unexpected, choose)
-    return _shared_parts(*parts, names=names)
+    return _shared_parts(*parts, names=names, finish=finish or _same)
+
+
+def _same(part: Part) -> Part:
+    return part
 
 
 @dataclass
@@ -298,7 +305,7 @@ class _Columns:
         columns = (table.key_of(at), table.starts[at], table.sizes[at], table.file[at])
         return cls(table, at, *columns, table.offset[at], table.length[at])
 
-    def parts(self, bounds: np.ndarray, missing: list[str], unexpected: list[str]) -> list[Part]:
+    def parts(self, bounds: np.ndarray, missing: list[str], unexpected: list[str]) -> Iterator[Part]:
         """Each rank's :class:`Part` of its pairs, ``bounds[r]:bounds[r + 1]``."""
         lo, hi = bounds[:-1], bounds[1:]
         some = hi > lo
@@ -310,15 +317,13 @@ class _Columns:
             one_file[some] = same & (repeated[last] == repeated[first])
         files, zeros, none = self.table.files, np.zeros(len(self.at), np.int32), np.zeros(0, np.int64)
         first_file = self.file[np.minimum(lo, max(len(self.file) - 1, 0))].tolist() if len(self.file) else []
-        parts = []
         for r, (a, b, simple) in enumerate(zip(lo.tolist(), hi.tolist(), one_file.tolist())):
             if not simple:
-                parts.append(_part(self.table, read_plan.distinct(self.at[a:b]), missing, unexpected))
+                yield _part(self.table, read_plan.distinct(self.at[a:b]), missing, unexpected)
                 continue
             columns = (self.at[a:b], self.keys[a:b], self.starts[a:b], self.sizes[a:b], zeros[a:b])
             where = (self.offset[a:b], self.length[a:b], [files[first_file[r]]])
-            parts.append(Part(*columns, *where, missing, unexpected, readers=zeros[:0], receives=none, direct=none))
-        return parts
+            yield Part(*columns, *where, missing, unexpected, readers=zeros[:0], receives=none, direct=none)
 
 
 def _shared_parts(
@@ -334,7 +339,8 @@ def _shared_parts(
     unexpected: list[str],
     choose: Any,
     names: np.ndarray | None = None,
-) -> list[Part]:
+    finish: Callable[[Part], Any] = _same,
+) -> list[Any]:
     needs = read_plan.Needs.from_columns(world, ranks, at, table.length[at], exact)
     needs.names = names
     paths = [path for path, _ in table.files]
@@ -371,7 +377,7 @@ def _shared_parts(
         part.shared, part.needed, part.kinds, part.sends = True, needed, kinds, sends[r]
         part.receives = at[mine][receiving[mine]] if any_receiving else none
         part.direct = at[mine][direct[mine]] if any_direct else none
-        parts.append(part)
+        parts.append(finish(part))
     return parts
 
 

@@ -164,17 +164,21 @@ def plan_keys(
     budgets = np.array([a.share for a in their], np.int64)  # type: ignore[union-attr]
     dims = max([1, *map(len, head.shapes)])  # the requests' boxes: load_parts.width of the whole outline
     names = np.array(who, np.int64)
-    parts = load_parts.plan(sub, requests, shared, budgets, where, consistent=True, dims=dims, names=names)
     ids = np.concatenate([np.frombuffer(r.ids, np.int32) for r in requests] or [np.zeros(0, np.int32)])
     asked_for = np.zeros(k1 - k0, np.bool_)
     asked_for[ids] = True  # not np.setdiff1d: numpy.ma is imported on its first use (a first load's reads)
     unwanted = (np.flatnonzero(~asked_for) + k0).astype(np.int64).tobytes()
-    needed = any(part.needed for part in parts)
+
+    def wired(part: Part) -> tuple[bool, tuple | None]:  # as each is made: no asker's Part is kept
+        return part.needed, _wire(part, r0, k0, names) if len(part.positions) or part.sends else None
+
+    made = load_parts.plan(sub, requests, shared, budgets, where, consistent=True, dims=dims, names=names, finish=wired)
+    needed = any(flag for flag, _ in made)  # the same for every part
     quiet = Piece(None, needed, unwanted, agreed) if needed or unwanted or agreed else None
     pieces: list[Piece | None] = [quiet] * world
-    for rank, part in zip(who, parts):
-        if len(part.positions) or part.sends:
-            pieces[rank] = Piece(_wire(part, r0, k0, names), needed, unwanted, agreed)
+    for rank, (_, wire) in zip(who, made):
+        if wire is not None:
+            pieces[rank] = Piece(wire, needed, unwanted, agreed)
     return pieces
 
 
@@ -203,33 +207,38 @@ def join(pieces: Sequence[Piece | None], head: Head) -> Part:
 
 
 def _wire(part: Part, base: int, k0: int, names: np.ndarray) -> tuple:
-    """``part`` as bytes and short lists (a few hundred bytes for a part of one chunk: it rides in the frame).
+    """``part`` as one bytes object and short lists (about 150 bytes for a part of one chunk: it rides in the frame).
 
-    Positions and keys counted from the whole index's, ranks (``names``: each asker's) the job's.
+    Positions and keys counted from the whole index's, ranks (``names``: each asker's) the
+    job's. One buffer, not one per column: ten bytes objects cost 330 bytes of headers
+    per asker, on a planner that holds every asker's wire at once.
     """
     sends = {at + base: names[ranks].tolist() for at, ranks in part.sends.items()}
-    columns = (part.positions + base, part.keys + k0, part.starts, part.sizes, part.file, part.offset, part.length)
     readers = names[part.readers].astype(np.int32) if len(part.readers) else part.readers
-    moved = (readers, part.receives + base, part.direct + base)
-    return (
-        part.starts.shape[1],
-        tuple(c.tobytes() for c in (*columns, *moved)),  # C order, whatever the view
-        part.files,
-        sends,
-        part.shared,
+    wide = (
+        part.positions + base,
+        part.starts,
+        part.sizes,
+        part.offset,
+        part.length,
+        part.receives + base,
+        part.direct + base,
     )
-
-
-_DTYPES = (np.int64, np.int32, np.int64, np.int64, np.int32, np.int64, np.int64, np.int32, np.int64, np.int64)
+    narrow = (part.keys + k0, part.file, readers)  # int32, after the int64 columns: every column stays aligned
+    blob = b"".join([c.tobytes() for c in (*wide, *narrow)])  # C order, whatever the view
+    counts = (len(part.positions), part.starts.shape[1], len(part.readers), len(part.receives), len(part.direct))
+    return counts, blob, part.files, sends, part.shared
 
 
 def _unwire(wired: tuple) -> Part:
-    width, raw, files, sends, shared = wired
-    cols = [np.frombuffer(b, d) for b, d in zip(raw, _DTYPES)]
-    positions, keys, starts, sizes, file, offset, length, readers, receives, direct = cols
-    starts, sizes = starts.reshape(-1, width), sizes.reshape(-1, width)
-    part = Part(positions, keys, starts, sizes, file, offset, length, list(files), [], [], shared=shared)
-    part.readers, part.receives, part.direct, part.sends = readers, receives, direct, dict(sends)
+    (rows, width, readers, receives, direct), blob, files, sends, shared = wired
+    sizes = (rows, rows * width, rows * width, rows, rows, receives, direct, rows, rows, readers)
+    ends = np.cumsum([0, *(n * (8 if i < 7 else 4) for i, n in enumerate(sizes))]).tolist()
+    cols = [np.frombuffer(blob, np.int64 if i < 7 else np.int32, n, ends[i]) for i, n in enumerate(sizes)]
+    positions, starts, box_sizes, offset, length, received, direct_, keys, file, read_by = cols
+    starts, box_sizes = starts.reshape(-1, width), box_sizes.reshape(-1, width)
+    part = Part(positions, keys, starts, box_sizes, file, offset, length, list(files), [], [], shared=shared)
+    part.readers, part.receives, part.direct, part.sends = read_by, received, direct_, dict(sends)
     return part
 
 
