@@ -153,6 +153,24 @@ def test_no_planner_holds_more_than_its_share_and_a_block_and_every_row_has_one_
     assert np.array_equal(row_shares.owner(head, rows, world), np.searchsorted(cuts, rows, side="right") - 1)
 
 
+@pytest.mark.parametrize("world", [16, 64])
+def test_a_planner_hears_only_from_the_ranks_whose_rows_it_holds(world):
+    """Counted: at the layout it was saved at, each box goes to one planner, which hears from its share of ranks.
+
+    30 tensors saved by every rank: each planner holds about 30 rows and hears from the
+    ranks that wrote them, however many ranks there are. Planned by key (the last
+    stop's design) a tensor's planner heard from all ``world`` ranks.
+    """
+    index, requests = _uniform(world, 30)
+    head, _ = _head(index, block_rows=4)
+    asked = [split_plan.asks(request, head, world, 1 << 30) for request in requests]
+    assert all(sum(a is not None for a in mine) <= 30 + 1 for mine in asked)  # one planner a box (+ planner 0)
+    boxes = [sum(len(a.ids) // 4 for a in mine if a is not None) for mine in asked]
+    assert boxes == [30] * world  # no box sent twice
+    hearing = [sum(mine[p] is not None and bool(mine[p].ids) for mine in asked) for p in range(world)]
+    assert max(hearing) <= 30 + 4, hearing
+
+
 def test_a_key_without_slabs_is_planned_whole_by_its_home():
     """Rows that do not keep slabs (here a tensor cut along two dimensions unevenly) are never split."""
     shapes = {"model.a": (6, 6), "model.b": (4,)}

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PeakMemory", "peak_memory", "slowest", "timed"]
+__all__ = ["PeakMemory", "peak_memory", "slowest", "timed", "traced_peak"]
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -56,3 +58,21 @@ def peak_memory() -> Iterator[PeakMemory]:
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def traced_peak(work: Any) -> int:
+    """The peak bytes Python and numpy allocate while ``work()`` runs, what it returns included (tracemalloc).
+
+    Not the resident high-water mark (:func:`~shardpoint.commands.bench_timing.peak_memory`):
+    a planner's small objects fill memory the process already holds, which that does not see.
+    """
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        kept = work()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    del kept
+    return peak

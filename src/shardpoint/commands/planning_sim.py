@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from shardpoint.commands import bench_survey
-from shardpoint.commands.bench_timing import peak_memory
+from shardpoint.commands.bench_timing import peak_memory, traced_peak
 
 __all__ = ["simulate_load", "simulate_planning"]
 
@@ -139,8 +139,10 @@ def simulate_split_load(index: Any, world: int) -> dict[str, Any]:
     start = time.process_time()
     pieces = split_plan.plan_keys(received, head, read_range, True, "simulated", size_of, busiest)
     planner_seconds = time.process_time() - start
-    planning = _traced(lambda: split_plan.plan_keys(received, head, read_range, True, "simulated", size_of, busiest))
-    held = _traced(lambda: pickle.loads(pickle.dumps(head)))  # what every rank holds once the head is broadcast
+    planning = traced_peak(
+        lambda: split_plan.plan_keys(received, head, read_range, True, "simulated", size_of, busiest)
+    )
+    held = traced_peak(lambda: pickle.loads(pickle.dumps(head)))  # what every rank holds once the head is broadcast
     start = time.process_time()
     wire = [pickle.dumps(piece) for piece in pieces]
     planner_seconds += time.process_time() - start
@@ -161,24 +163,6 @@ def simulate_split_load(index: Any, world: int) -> dict[str, Any]:
     row["share of the index MB (split)"] = (len(head_bytes) + len(rows)) / world / 1e6
     row["head MB"], row["rows MB"] = len(head_bytes) / 1e6, len(rows) / 1e6
     return row
-
-
-def _traced(work: Any) -> int:
-    """The peak bytes Python and numpy allocate while ``work()`` runs, what it returns included (tracemalloc).
-
-    Not the resident high-water mark (:func:`~shardpoint.commands.bench_timing.peak_memory`):
-    a planner's small objects fill memory the process already holds, which that does not see.
-    """
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        kept = work()
-        peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-    del kept
-    return peak
 
 
 def _request(summary: Any, head: Any, rank: int, world: int) -> Any:

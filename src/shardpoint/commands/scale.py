@@ -197,9 +197,9 @@ def _print_simulated(out: Any, saves: list[dict[str, Any]], loads: list[dict[str
         "busiest planner s",
         "asks + join s",
         "until reads begin s (rank 0's plan / split)",
-        "busiest rank peak MB / its share",
+        "busiest rank MB: head held + busiest planner / a rank's share",
         "head + rows MB",
-        title="the same load planned by key across ranks (today: formats.split_plan), the slowest rank",
+        title="the same load planned across ranks by rows (today: formats.split_plan), the slowest rank",
     )
     for row in loads:
         central = row["reading the index s (today)"] + row["load plan s (today)"]
@@ -209,7 +209,8 @@ def _print_simulated(out: Any, saves: list[dict[str, Any]], loads: list[dict[str
             f"{row['busiest planner s (split)']:.2f}",
             f"{row['asks + join s (split)']:.3f}",
             f"{central:.2f} / {row['until reads begin s (split)']:.2f}",
-            f"{row['busiest rank peak MB (split)']:.1f} / {row['share of the index MB (split)']:.3f}",
+            f"{row['head held MB (split)']:.2f} + {row['busiest planner MB (split)']:.2f}"
+            f" / {row['share of the index MB (split)']:.3f}",
             f"{row['head MB']:.2f} + {row['rows MB']:.0f}",
         )
     out.print(table)
