@@ -165,9 +165,37 @@ def test_a_head_claiming_slabs_its_rows_do_not_keep_is_refused_by_the_planner_th
     head = decode_head(crafted, INDEX_NAME, METADATA, _size_of(rows))
     with pytest.raises(sp.CorruptCheckpointError, match="rows of 'd' do not lie in the slabs its head records"):
         read_rows(Ranged(rows), head, 0, 4, ROWS_NAME, _size_of(rows))
-    arrays["split_dim"] = np.array([0, 0, 0, 3], np.int64)  # past d's dimensions
-    with pytest.raises(sp.CorruptCheckpointError, match="slabs are negative or outside its tensor"):
-        decode_head(safetensors.numpy.save(arrays, metadata=header), INDEX_NAME, METADATA, _size_of(rows))
+
+
+@pytest.mark.parametrize(
+    "column, key, value, said",
+    [
+        ("split_dim", 3, 3, "cut a dimension its tensor does not have"),  # d has 3 dimensions
+        ("split_dim", 2, 99, "cut a dimension its tensor does not have"),  # c keeps no slabs, and is routed by it too
+        ("split_dim", 2, -1, "cut a dimension its tensor does not have"),
+        ("slab_step", 3, -1, "slabs are negative"),
+        ("slab_rows", 0, 2**61, "more or larger than its tensor and its rows hold"),  # overflowed a rank's routing
+        ("slab_step", 0, 5, "more or larger than its tensor and its rows hold"),  # a's dimension 0 is 4 long
+        ("slab_step", 3, 1, None),  # as written: d's three rows, one slab each
+    ],
+)
+def test_slabs_a_rank_would_route_by_are_checked_with_the_head(column, key, value, said):
+    """Every rank places its boxes by the head's slabs before any planner reads a row: checked on decoding.
+
+    Found by review: a ``split_dim`` past the tensor's dimensions on a key without slabs
+    raised an IndexError in every rank's routing, and 2**61 rows a slab wrapped int64,
+    sending a box to a planner without its rows.
+    """
+    head_bytes, rows = encode_split(_index(), METADATA)
+    header, arrays = _head_parts(head_bytes)
+    arrays[column][key] = value
+    crafted = safetensors.numpy.save(arrays, metadata=header)
+    if said is None:
+        decode_head(crafted, INDEX_NAME, METADATA, _size_of(rows))
+        return
+    with pytest.raises(sp.CorruptCheckpointError, match=said) as caught:
+        decode_head(crafted, INDEX_NAME, METADATA, _size_of(rows))
+    assert INDEX_NAME in str(caught.value)
 
 
 def _head_parts(head_bytes: bytes) -> tuple[dict, dict]:

@@ -109,3 +109,34 @@ def test_a_literal_run_with_a_count_and_descriptors_that_do_not_fit_are_refused(
     header["run_descriptors"] = '[["lz4"]]'
     with pytest.raises(sp.CorruptCheckpointError, match="descriptors do not fit its runs"):
         file_runs.decode(arrays, header, "index")
+
+
+def test_files_stored_once_in_an_earlier_checkpoint_are_one_run_too():
+    """Found by review: runs cut at a name's first number made each ``../iter_0000100/__{r}_0.distcp`` a run of one."""
+    world = 16384
+    files = [(f"../iter_0000100/__{r}_0.distcp", None) for r in range(world)]
+    files += [(f"__{r}_0.distcp", None) for r in range(world)] + [
+        (f"../global_step7/__{r}_0.distcp", None) for r in range(4)
+    ]
+    runs, renumbered = _round_trip(files)
+    assert len(runs.counts) == 3 and len(runs) == len(files)
+    assert all(runs[int(renumbered[old])] == file for old, file in enumerate(files))
+
+
+def test_names_with_other_scripts_digits_come_back_as_they_were():
+    """Found by review: ``int`` reads Arabic-Indic digits, so ``__1٠_0`` came back as ``__10_0``, another file."""
+    files = [("__1٠_0.distcp", None), ("__10_0.distcp", None), ("x_1٣.bin", None), ("__٣_0.distcp", None)]
+    runs, renumbered = _round_trip(files)
+    assert [runs[int(renumbered[old])] for old in range(len(files))] == files
+
+
+def test_run_bounds_that_wrap_int64_are_refused():
+    """Found by review: ``start + count`` and the sum of counts were added in int64 and wrapped."""
+    arrays, header, _ = file_runs.encode([(f"__{r}_0.distcp", None) for r in range(4)])
+    arrays["run_start"] = np.array([2**63 - 1], np.int64)
+    with pytest.raises(sp.CorruptCheckpointError, match="numbers no name holds"):
+        file_runs.decode(arrays, header, "index")
+    arrays, header, _ = file_runs.encode([(f"a{r}_{r}", None) for r in range(10)])  # ten runs: both numbers vary
+    arrays["run_count"] = np.full(len(arrays["run_count"]), 922 * 10**15, np.int64)
+    with pytest.raises(sp.CorruptCheckpointError, match="too many files"):
+        file_runs.decode(arrays, header, "index")

@@ -250,7 +250,7 @@ def _count_metadata_received(rank: int, world: int, root: str, params: int):
 
     def counted_spread(*args, **kwargs):
         pieces = spread(*args, **kwargs)
-        received["chunks"] = sum(len(p[0][1][0]) // 8 for p in pieces if p is not None and p[0] is not None)
+        received["chunks"] = sum(p[0][0][0] for p in pieces if p is not None and p[0] is not None)  # rows wired
         return pieces
 
     comm.broadcast, comm.scatter_from = weighed_broadcast, weighed_scatter

@@ -59,9 +59,16 @@ def _split(
             reads.append(length)
         return rows[start : start + length]
 
+    ends = np.zeros(len(index.files), np.int64)
+    np.maximum.at(ends, index.file[index.file >= 0], (index.offset + index.length)[index.file >= 0])
+    listed = {path: int(end) for (path, _), end in zip(index.files, ends)}
+
+    def sized(name: str) -> int:  # the files as written: a reader keeps its bound's share by their bytes
+        return listed.get(name, len(rows))
+
     asked = [split_plan.asks(request, head, world, budget) for request in requests]
     pieces = [
-        split_plan.plan_keys([a[p] for a in asked], head, read_range, shared, "here", lambda n: 1 << 40, planner=p)
+        split_plan.plan_keys([a[p] for a in asked], head, read_range, shared, "here", sized, planner=p, budget=budget)
         for p in range(world)
     ]
     return [split_plan.join([pieces[p][r] for p in range(world)], head) for r in range(world)], len(rows)
@@ -232,14 +239,13 @@ def test_a_damaged_key_s_rows_fail_the_planner_that_reads_them_by_name():
         )
 
 
-def test_choose_readers_agrees_for_the_same_needers_and_prefers_the_writer():
-    needs = read_plan.Needs.from_dicts([{0: (8, True)}, {0: (8, True), 1: (8, True)}, {1: (8, True)}])
-    files = read_plan.Files(np.array([0, 1]), ["__1_0.distcp", "other/file.distcp"])
-    chosen = read_plan.choose_readers(needs, files)
-    assert chosen["__1_0.distcp"] == 1  # its writer needs it
-    assert chosen["other/file.distcp"] in (1, 2)
-    again = read_plan.Needs.from_dicts([{}, {1: (8, True)}, {1: (8, True)}])
-    assert read_plan.choose_readers(again, files)["other/file.distcp"] == chosen["other/file.distcp"]
+def test_a_file_s_reader_is_its_writer_in_the_job_else_a_hash_of_its_name():
+    """Whoever needs it: a planner sees only its rows' needers, so the rule must not depend on them."""
+    paths = ["__1_0.distcp", "../iter_0000100/__3_0.distcp", "__9_0.distcp", "other/file.distcp"]
+    readers = read_plan.designated_readers(paths, 4)
+    assert readers[:2].tolist() == [1, 3]  # written by ranks in the job
+    assert 0 <= readers[2] < 4 and 0 <= readers[3] < 4  # rank 9 is not in a job of 4: a hash
+    assert read_plan.designated_readers(paths[2:], 4).tolist() == readers[2:].tolist()  # alike on every planner
 
 
 def test_every_planner_names_the_same_reader_of_a_file():
@@ -276,7 +282,8 @@ def test_a_rank_s_exchange_buffers_stay_within_its_one_bound_over_all_planners()
     """Resharded (each rank's rows straddle both saved chunks of 8 tensors): each rank would receive 8 partial chunks.
 
     With a bound of 4 chunks, the two planners together give each rank at most 4 buffers
-    (each planner its share of the bound); each one alone would give it 4.
+    (each planner its share of the half a rank asks with, and of the half it reads for
+    others with, by the bytes of its file each holds); each one alone would give it 4.
     """
     tensors, storage = {}, {}
     for i in range(8):
@@ -284,7 +291,7 @@ def test_a_rank_s_exchange_buffers_stay_within_its_one_bound_over_all_planners()
         chunks = [ChunkStorageMetadata(torch.Size([at, 0]), torch.Size([4, 4])) for at in (0, 4)]
         tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 4]), chunks)
         for r, at in enumerate((0, 4)):
-            storage[MetadataIndex(key, torch.Size([at, 0]))] = _StorageInfo(f"__{r}_0.distcp", 100 * i, 64)
+            storage[MetadataIndex(key, torch.Size([at, 0]))] = _StorageInfo(f"__{r}_0.distcp", 64 * i, 64)  # packed
     metadata = Metadata(tensors, storage_data=storage)
     outline, saved = outline_of(metadata), sorted(tensors)
     requests = [_request({key: ((0, 0), (8, 4)) for key in saved}, outline, saved)]  # rank 0: whole tensors

@@ -66,6 +66,7 @@ from shardpoint.formats.chunk_table import (
     header,
     index_reads,
     outline_columns,
+    padded,
     read,
 )
 from shardpoint.formats.dcp_metadata import DCP_METADATA
@@ -98,6 +99,7 @@ _DIGEST = 8  # bytes of each block's XXH3-64, little-endian
 _MAX_WIDTH = 64  # dimensions a record holds at most (torch's own limit on a tensor's dimensions is lower)
 _MAX_BLOCK = 1 << 20
 _LIMIT = 1 << 62
+_MAX_ROWS = 1 << 40  # rows × ranks stays within int64 when planners share them out (row_shares)
 _MASK = (1 << 64) - 1
 _HEAD_COLUMNS = {
     **OUTLINE_COLUMNS,
@@ -224,6 +226,9 @@ def _slabs(index: ChunkIndex) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     along = index.starts[np.arange(len(row_key)), dim[row_key]]
     per[:] = np.bincount(row_key, along < step[row_key], keys).astype(np.int64)
     keeps = _keeps(index.first_row, dim, step, per, index.starts, index.sizes, 0, len(row_key))
+    ndim = np.fromiter(map(len, index.shapes), np.int64, keys)
+    along = padded(index.shapes, ndim, index.starts.shape[1], 1)[np.arange(keys), dim]
+    keeps &= (step > 0) & (-(-along // np.maximum(step, 1)) <= counts) & (per <= counts)
     step[~keeps] = 0
     return dim, step, np.where(step > 0, per, 0)
 
@@ -277,7 +282,7 @@ def decode_head(data: bytes, name: str, metadata: FileRecord | None, size_of: Ca
     found = header(data, name, (VERSION,))
     check_metadata_record(found, metadata, name)
     bad = complaint(name)
-    rows, width = _count(found, "rows", _LIMIT), _count(found, "width", _MAX_WIDTH + 1)
+    rows, width = _count(found, "rows", _MAX_ROWS), _count(found, "width", _MAX_WIDTH + 1)
     block_rows, nonce = _count(found, "block_rows", _MAX_BLOCK + 1), _count(found, "nonce", 1 << 64)
     if rows is None or width is None or not block_rows or nonce is None:
         raise bad("its counts of chunks, dimensions or rows per block are not numbers in range")
@@ -289,9 +294,7 @@ def decode_head(data: bytes, name: str, metadata: FileRecord | None, size_of: Ca
     dim, step, per = arrays["split_dim"], arrays["slab_step"], arrays["slab_rows"]
     if not len(dim) == len(step) == len(per) == len(outlined.keys):
         raise bad("it has another number of slabs than of keys")
-    slabbed = step != 0
-    if (step < 0).any() or (slabbed & ((per < 1) | (dim < 0) | (dim >= ndim) | (per >= _LIMIT))).any():
-        raise bad("a key's slabs are negative or outside its tensor")
+    _check_slabs(outlined.shapes, ndim, np.diff(outlined.first_row), dim, step, per, width, bad)
     outline = (outlined.keys, outlined.dtypes, outlined.shapes, outlined.first_row, width, outlined.files)
     head = Head(*outline, nonce, dim, step, per, block_rows)
     if size_of(ROWS_NAME) != head.size():
@@ -301,6 +304,31 @@ def decode_head(data: bytes, name: str, metadata: FileRecord | None, size_of: Ca
     head.total_bytes = sum(size_of(path) for path, _ in outlined.files)  # each listed; none kept
     check_tensors_fit(outlined.dtypes, outlined.shapes, head.total_bytes, bad)
     return head
+
+
+def _check_slabs(
+    shapes: Sequence[tuple[int, ...]],
+    ndim: np.ndarray,
+    rows: np.ndarray,
+    dim: np.ndarray,
+    step: np.ndarray,
+    per: np.ndarray,
+    width: int,
+    bad: Callable[[str], Exception],
+) -> None:
+    """Each key's slabs within its tensor and its rows, before any rank routes a box by them.
+
+    A rank places its boxes by these numbers before any planner reads a row, so a
+    dimension past the tensor's, or slabs more or larger than its rows could hold, are
+    refused here rather than indexing past an array or overflowing int64 later.
+    """
+    if (dim < 0).any() or (dim >= np.maximum(ndim, 1)).any():
+        raise bad("a key's slabs cut a dimension its tensor does not have")
+    slabbed = step != 0
+    along = padded(shapes, ndim, width, 1)[np.arange(len(dim)), dim]
+    slabs = -(-along // np.maximum(step, 1))
+    if (step < 0).any() or (slabbed & ((per < 1) | (per > rows) | (step > along) | (slabs > rows))).any():
+        raise bad("a key's slabs are negative, or more or larger than its tensor and its rows hold")
 
 
 def _count(found: dict[str, Any], field: str, below: int) -> int | None:
@@ -346,6 +374,8 @@ def read_span(
     if not (0 <= k0 <= k1 <= len(head.keys) and lo <= r0 <= r1 <= hi):
         raise ValueError(f"rows [{r0}, {r1}) are not rows of keys [{k0}, {k1})")
     start, length = head.span(r0, r1)
+    if start + length > size_of(ROWS_NAME):  # decode_head matched the two; a head built otherwise may not
+        raise complaint(name)(f"its head places rows up to byte {start + length}, past the file's listed size")
     data = read_range(start, length) if length else b""
     index_reads.bytes += len(data)
     index_reads.reads += 1 if length else 0

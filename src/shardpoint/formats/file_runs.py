@@ -4,10 +4,11 @@ DCP names each rank's file ``__{rank}_{n}.distcp``, so a checkpoint saved by 16,
 ranks names 16,384 files. Listed one by one (version 1 of the index), they were most of
 the head every rank of a split load holds (0.4 MB as bytes, 3.7 MB as Python strings at
 16,384 ranks), against a rank's share of the index of 17 KB. Here names that differ
-only in one number are one *run*: a prefix, the first number, a count, a suffix (the
-rest of the name, which may hold more numbers) and the transform descriptors DCP
-recorded. ``__0_0.distcp`` … ``__16383_0.distcp`` is one run; a name with no number is
-a run of one. A file's number in the index is its place in the runs, and its name is
+only in one number are one *run*: a prefix, a first number, a count, a suffix (the
+prefix and suffix may hold other numbers) and the transform descriptors DCP recorded.
+``__0_0.distcp`` … ``__16383_0.distcp`` is one run, and so are the files a checkpoint
+stores once in an earlier one (``../iter_0000100/__{rank}_0.distcp``); a name with no
+number is a run of one. A file's number in the index is its place in the runs, and its name is
 built when asked for (:class:`FileRuns`), so what a rank holds grows with the kinds of
 names, not with the ranks.
 """
@@ -34,7 +35,8 @@ RUN_COLUMNS = {
     "run_start": (np.int64, 1),  # the first number; -1: the prefix is the whole name (a run of one)
     "run_count": (np.int64, 1),
 }
-_NUMBERED = re.compile(r"(\D*)(0|[1-9]\d{0,17})(.*)", re.DOTALL)  # the first number, as written (no leading 0)
+_DIGITS = re.compile(r"([0-9]+)")  # ASCII digits only: int() would read other scripts' digits as the same number
+_CANONICAL = re.compile(r"0|[1-9][0-9]{0,17}")  # as str(int) writes it, so a name comes back byte for byte
 _MAX_FILES = 1 << 40
 
 
@@ -70,6 +72,8 @@ class FileRuns(Sequence[File]):
 
     def take(self, numbers: np.ndarray) -> list[File]:
         """The files of ``numbers`` (ascending or not), built together: a planner's few hundred of 16,384."""
+        if len(numbers) and (numbers.min() < 0 or numbers.max() >= len(self)):
+            raise IndexError(f"file numbers outside the {len(self)} files")
         run = np.searchsorted(self.ends, numbers, side="right")
         number = (self.starts[run] + numbers - (self.ends[run] - self.counts[run])).tolist()
         prefixes, suffixes, descriptors = self.prefixes, self.suffixes, self.descriptors
@@ -96,15 +100,29 @@ class FileRuns(Sequence[File]):
 
 
 def encode(files: Sequence[File]) -> tuple[dict[str, np.ndarray], dict[str, str], np.ndarray]:
-    """The runs of ``files``: their columns, header fields, and each file's new number (by its old one)."""
+    """The runs of ``files``: their columns, header fields, and each file's new number (by its old one).
+
+    Names are grouped by their shape (the text between their numbers, and their
+    descriptors); within a group, the number that takes the most values is the run's
+    (the rank in ``__{rank}_0.distcp``, also in ``../iter_0000100/__{rank}_0.distcp``, a
+    file stored once in an earlier checkpoint), the others stay text.
+    """
+    split = [_DIGITS.split(path) for path, _ in files]  # text, number, text, ..., text
+    groups: dict[tuple, list[int]] = {}
+    for old, (tokens, (_, descriptors)) in enumerate(zip(split, files)):
+        shape = (tuple(tokens[0::2]), None if descriptors is None else tuple(descriptors))
+        groups.setdefault(shape, []).append(old)
     keyed = []
-    for old, (path, descriptors) in enumerate(files):
-        found = _NUMBERED.fullmatch(path)
-        d = None if descriptors is None else tuple(descriptors)
-        if found is None:
-            keyed.append((path, "", d is not None, d or (), -1, old))
-        else:
-            keyed.append((found[1], found[3], d is not None, d or (), int(found[2]), old))
+    for (_, d), members in groups.items():
+        field = _varying(split, members)
+        for old in members:
+            tokens = split[old]
+            number = tokens[field] if field else ""
+            if not _CANONICAL.fullmatch(number):  # no number, or one written with a leading 0: a run of one
+                keyed.append(("".join(tokens), "", d is not None, d or (), -1, old))
+                continue
+            prefix, suffix = "".join(tokens[:field]), "".join(tokens[field + 1 :])
+            keyed.append((prefix, suffix, d is not None, d or (), int(number), old))
     keyed.sort(key=lambda k: (k[0], k[1], k[2], k[3], k[4] < 0, k[4]))
     runs: list[list] = []
     for prefix, suffix, has, d, number, _ in keyed:
@@ -126,6 +144,12 @@ def encode(files: Sequence[File]) -> tuple[dict[str, np.ndarray], dict[str, str]
     return arrays, header, renumbered
 
 
+def _varying(split: Sequence[list[str]], members: Sequence[int]) -> int:
+    """The token of the number that takes the most values among ``members`` (0: their names have none)."""
+    fields = range(1, len(split[members[0]]), 2)
+    return max(fields, key=lambda f: (len({split[m][f] for m in members}), f), default=0)
+
+
 def decode(arrays: Mapping[str, np.ndarray], found: Mapping[str, Any], name: str) -> FileRuns:
     """The files of an index written by :func:`encode`, every run checked (``name``: the file, for messages).
 
@@ -140,9 +164,10 @@ def decode(arrays: Mapping[str, np.ndarray], found: Mapping[str, Any], name: str
     start, count = arrays["run_start"], arrays["run_count"]
     if not len(prefixes) == len(suffixes) == len(start) == len(count):
         raise bad("its runs of file names do not fit their table")
-    if len(count) and (count.min() < 1 or start.min() < -1 or float(count.sum()) >= _MAX_FILES):
+    if len(count) and (count.min() < 1 or start.min() < -1 or count.astype(np.float64).sum() >= _MAX_FILES):
         raise bad("a run of file names has a count that is not positive, or too many files")
-    if len(start) and (((start < 0) & (count != 1)).any() or float((start + count).max()) >= 10.0**18):
+    last = start.astype(np.float64) + count  # float: int64 would wrap
+    if len(start) and (((start < 0) & (count != 1)).any() or last.max() >= 10.0**18):
         raise bad("a run of file names has numbers no name holds")
     return FileRuns(prefixes, suffixes, start, count, _descriptors(found, len(count), bad))
 

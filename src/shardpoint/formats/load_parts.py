@@ -233,9 +233,8 @@ def plan(
     shared: bool,
     budget: int | np.ndarray,
     where: str,
-    consistent: bool = False,
     dims: int | None = None,
-    names: np.ndarray | None = None,
+    readers: Mapping[str, int] | None = None,
     finish: Callable[[Part], Any] | None = None,
 ) -> list[Any]:
     """Every rank's :class:`Part`, from the stored chunks and every rank's :class:`Request` for them.
@@ -244,13 +243,12 @@ def plan(
     some keys of it: :mod:`~shardpoint.formats.split_plan`), or its whole ``.metadata``
     (a checkpoint without an index). ``shared``: replicas split the reading
     (:mod:`~shardpoint.formats.shared_reads`), each rank's buffers bounded by ``budget``
-    bytes (one bound, or one per rank). ``consistent``: readers chosen as every planner
-    of a split plan chooses them (:func:`~shardpoint.formats.read_plan.choose_readers`),
-    not balanced over what this plan sees. ``where``: the checkpoint, for messages.
+    bytes (one bound, or one per rank). ``readers``: each file's reader (a request's
+    number), as every planner of a split plan names it
+    (:func:`~shardpoint.formats.read_plan.designated_readers`), rather than balanced over
+    what this plan sees. ``where``: the checkpoint, for messages.
     ``dims``: the width of the requests' boxes (:func:`width` of the whole outline), when
-    ``chunks`` holds only some keys. ``names``: each request's rank in the job, when the
-    requests are only some ranks' (a planner's askers); the parts still number ranks by
-    request, and readers are chosen by these numbers. ``finish``: applied to each rank's
+    ``chunks`` holds only some keys. ``finish``: applied to each rank's
     part as it is made, the result kept in its place (a planner wires each as it goes,
     rather than holding every asker's part at once).
     """
@@ -272,9 +270,8 @@ def plan(
     bounds = np.searchsorted(ranks, np.arange(world + 1))
     if not shared:
         return [(finish or _same)(part) for part in _Columns.of(table, ranks, at).parts(bounds, missing, unexpected)]
-    choose = read_plan.choose_readers if consistent else read_plan.plan_reads
-    parts = (table, world, ranks, at, exact, bounds, requests, budget, missing, unexpected, choose)
-    return _shared_parts(*parts, names=names, finish=finish or _same)
+    parts = (table, world, ranks, at, exact, bounds, requests, budget, missing, unexpected)
+    return _shared_parts(*parts, readers=readers, finish=finish or _same)
 
 
 def _same(part: Part) -> Part:
@@ -337,15 +334,13 @@ def _shared_parts(
     budget: int | np.ndarray,
     missing: list[str],
     unexpected: list[str],
-    choose: Any,
-    names: np.ndarray | None = None,
+    readers: Mapping[str, int] | None = None,
     finish: Callable[[Part], Any] = _same,
 ) -> list[Any]:
     needs = read_plan.Needs.from_columns(world, ranks, at, table.length[at], exact)
-    needs.names = names
     paths = [path for path, _ in table.files]
     files = read_plan.Files(table.file, paths)  # no string per chunk (1.2 million at 4096 ranks)
-    readers = choose(needs, files)
+    readers = read_plan.plan_reads(needs, files) if readers is None else readers
     receivers = read_plan.plan_sharing(needs, files, table.nbytes, budget, readers)
     reader_of_file = np.array([readers.get(path, -1) for path in paths] or [-1], np.int64)
     pairs = [position * world + rank for position, taken in receivers.items() for rank in taken]

@@ -1,10 +1,10 @@
-"""Who reads which file of a shared load, and who receives which chunk: planned per key range.
+"""Who reads which file of a shared load, and who receives which chunk: planned per share of rows.
 
 The policy half of :mod:`shardpoint.formats.shared_reads` (which moves the bytes). Each
-planner of a load split by key (:mod:`~shardpoint.formats.split_plan`; rank 0 for a
-checkpoint whose index is one file) plans for all ranks from the needs it found for
-each of its keys (:mod:`~shardpoint.formats.load_parts`) and sends each rank its share;
-every planner then names the same reader of a file (:func:`choose_readers`). Planned
+planner of a load split across ranks (:mod:`~shardpoint.formats.split_plan`; rank 0 for a
+checkpoint whose index is one file) plans for the ranks that asked it from the needs it
+found in its rows (:mod:`~shardpoint.formats.load_parts`) and sends each rank its share;
+every planner names the same reader of a file (:func:`designated_readers`). Planned
 whole on rank 0 it is O(ranks × items), which is why it works on columns (numpy)
 rather than a dict per rank: at 4096 ranks of 300 chunks each that is 1.2 million
 needs, 2.5 s as dicts and 0.3 s as columns, and why :func:`plan_sharing` loops in
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-__all__ = ["Files", "Need", "Needs", "choose_readers", "distinct", "plan_reads", "plan_sharing"]
+__all__ = ["Files", "Need", "Needs", "designated_readers", "distinct", "plan_reads", "plan_sharing"]
 
 #: what a rank needs of one stored item: its stored bytes, and whether it is exactly one of
 #: the rank's targets (received into it, no buffer)
@@ -39,7 +39,6 @@ class Needs:
     positions: np.ndarray  # int64
     lengths: np.ndarray  # int64: stored bytes
     exact: np.ndarray  # bool: exactly one of the rank's targets
-    names: np.ndarray | None = None  # int64 (world,): each rank's number in the job, where ranks count only some
 
     @classmethod
     def from_dicts(cls, needs: Sequence[Mapping[int, Need]]) -> Needs:
@@ -129,48 +128,32 @@ def plan_reads(needs: Needs, files: Sequence[str] | Files) -> dict[str, int]:
 _WRITER = re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$")  # DCP's file of the rank that wrote it (__{rank}_{n})
 
 
-def choose_readers(needs: Needs, files: Sequence[str] | Files) -> dict[str, int]:
-    """The reader of each file, chosen the same way by every planner that sees some of its items.
+def designated_readers(paths: Sequence[str], world: int) -> np.ndarray:
+    """The reader of each file (a rank of ``world``), the same for every planner of a split load, whoever needs it.
 
-    A load planned by key across ranks (:mod:`~shardpoint.formats.split_plan`) has
-    each file's items planned by several planners, each seeing only its keys' needs. A
-    reader is checked by the whole file's checksum only when it reads most of the file,
-    so every planner must name the same reader without asking the others. The rank that
-    wrote the file reads it when it needs any of it (every rank reads its own file on a
-    load at the saved layout: balanced, and local on a node-local tier); otherwise the
-    needer with the highest hash of (file, rank), a rendezvous choice that agrees across
-    planners whenever they see the same needers (data-parallel replicas do) and spreads
-    files evenly over them. Ranks are compared by their numbers in the job
-    (``needs.names``) when a planner counts only the ranks that asked it.
+    A load planned across ranks (:mod:`~shardpoint.formats.split_plan`) has each file's
+    items planned by several planners, each seeing only its rows' needs. A reader is
+    checked by the whole file's checksum only when it reads most of the file, and an item
+    read by two ranks is read twice, so every planner must name the same reader without
+    asking the others. A rule over the needers each planner sees is not enough: on a
+    load at another layout the file's writer needs some of its items and not others, so
+    one planner sees it among the needers and another does not. So the reader is the
+    rank that wrote the file (``__{rank}_{n}.distcp``; every rank reads its own file on
+    a load at the saved layout: balanced, and local on a node-local tier) when that rank
+    is in the job, else a hash of the name over the ranks; it reads the file's needed
+    items for the others even where it needs none of them itself.
     """
-    if not len(needs.ranks):
-        return {}
-    column = Files.of(files)
-    needed = column.ids[needs.positions]
-    used = distinct(np.sort(needed))
-    names = [column.names[i] for i in used.tolist()]
-    writer = np.array([_writer_of(name) for name in names], np.int64)
-    seed = np.array([xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) for name in names], np.uint64)
-    file = np.searchsorted(used, needed)
-    named = needs.ranks if needs.names is None else needs.names[needs.ranks]  # the job's rank numbers
-    score = _mixed(seed[file] ^ named.astype(np.uint64))
-    score[named == writer[file]] = np.uint64(2**64 - 1)  # the writer first
-    order = np.lexsort((named, score, file))  # within a file: highest score last, ties to the higher rank
-    last = np.flatnonzero(np.append(file[order][1:] != file[order][:-1], True))
-    return dict(zip(names, needs.ranks[order][last].tolist()))
+    writer = np.array([_writer_of(name) for name in paths] or [0], np.int64)[: len(paths)]
+    hashed = np.array(
+        [xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) % max(world, 1) for name in paths] or [0],
+        np.int64,
+    )[: len(paths)]
+    return np.where((writer >= 0) & (writer < world), writer, hashed)
 
 
 def _writer_of(name: str) -> int:
     found = _WRITER.search(name)
     return int(found.group(1)) if found else -1
-
-
-def _mixed(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser over a column: a hash per element, no Python step per element."""
-    with np.errstate(over="ignore"):
-        values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return values ^ (values >> np.uint64(31))
 
 
 def plan_sharing(

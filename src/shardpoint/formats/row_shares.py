@@ -103,8 +103,9 @@ def planners_of(head: Head, ids: np.ndarray, boxes: np.ndarray, world: int) -> t
     start, size = boxes[at, 0, dim], boxes[at, 1, dim]
     slabs = step > 0
     safe = np.where(slabs, step, 1)
-    lo = np.minimum(first + start // safe * per, after - 1)
-    hi = np.minimum(first + (start + np.maximum(size, 1) - 1) // safe * per + per, after) - 1
+    rows = after - first  # slab numbers clipped to the rows (decode_head: at most a slab a row), so no overflow
+    lo = np.minimum(first + np.minimum(start // safe, rows) * per, after - 1)
+    hi = np.minimum(first + np.minimum((start + np.maximum(size, 1) - 1) // safe, rows) * per + per, after) - 1
     lo, hi = np.where(slabs, lo, first), np.where(slabs, np.maximum(hi, lo), first)
     empty = after <= first
     total = int(head.first_row[-1])

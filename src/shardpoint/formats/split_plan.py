@@ -14,7 +14,7 @@ each rank plans an equal share of the index's rows (:mod:`~shardpoint.formats.ro
    block (:func:`~shardpoint.formats.chunk_rows.read_span`), and plans them as rank 0
    plans a whole load (:func:`~shardpoint.formats.load_parts.plan`), with each file's
    reader chosen as every other planner chooses it
-   (:func:`~shardpoint.formats.read_plan.choose_readers`) and each rank's exchange
+   (:func:`~shardpoint.formats.read_plan.designated_readers`) and each rank's exchange
    buffers bounded by the share of its bound those boxes hold (:func:`plan_keys`);
 4. a second all-to-all gives each rank its piece from every planner, which it joins into
    its :class:`~shardpoint.formats.load_parts.Part` (:func:`join`).
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from shardpoint.catalog.metadata import FileRecord
-from shardpoint.formats import chunk_rows, load_parts, row_shares, shared_reads
+from shardpoint.formats import chunk_rows, load_parts, read_plan, row_shares, shared_reads
 from shardpoint.formats.base import unexpected_keys, wanted_keys
 from shardpoint.formats.chunk_rows import ROWS_NAME, Head
 from shardpoint.formats.load_parts import Part, Request
@@ -54,6 +54,8 @@ __all__ = [
     "share_head",
 ]
 
+#: the part of a rank's exchange bound it keeps for the files it reads for others (the rest: what it asks for)
+_READ_FOR_OTHERS = 0.5
 _ITEMSIZE = {str(d): d.itemsize for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
@@ -111,7 +113,7 @@ def asks(request: Request, head: Head, world: int, budget: int) -> list[Ask | No
     for p in np.flatnonzero(np.diff(bounds)).tolist():
         pairs = order[bounds[p] : bounds[p + 1]]
         mine = box[pairs]
-        share = int(budget * per_planner[p] / total)
+        share = int(budget * (1 - _READ_FOR_OTHERS) * per_planner[p] / total)
         out[p] = Ask(local[pairs].tobytes(), usable[mine].tobytes(), boxes[mine].tobytes(), share, request.types)
     out[0] = (out[0] or Ask(b"", b"", b"", 0, request.types))._replace(agreed=agreed)
     return out
@@ -137,12 +139,19 @@ def plan_keys(
     where: str,
     size_of: Callable[[str], int],
     planner: int | None = None,
+    budget: int | None = None,
 ) -> list[Piece | None]:
     """This planner's pieces, one per rank, from every rank's :class:`Ask` of its rows.
 
     ``read_range(start, length)``: bytes of ``.chunk_rows``; ``shared``: replicas split
     the reading (the same on every planner); ``size_of``: a listed file's size;
-    ``planner``: which planner this is (this rank; another in the bench's simulation).
+    ``planner``: which planner this is (this rank; another in the bench's simulation);
+    ``budget``: every rank's exchange bound (:data:`~shardpoint.formats.shared_reads.EXCHANGE_BUFFER_BYTES`).
+
+    Each file's reader (:func:`~shardpoint.formats.read_plan.designated_readers`) plans
+    here even if it asked nothing: it reads the file's items the askers need. Its buffers
+    for them come from the part of its bound it keeps for reading for others
+    (:data:`_READ_FOR_OTHERS`), shared among planners by the file's bytes each holds.
     """
     world = len(received)
     me = comm.rank() if planner is None else planner
@@ -157,11 +166,23 @@ def plan_keys(
     if k1 == k0:
         return [Piece(None, False, b"", agreed) for _ in range(world)] if agreed else [None] * world
     sub = chunk_rows.read_span(read_range, head, k0, k1, r0, r1, f"{where}/{ROWS_NAME}", size_of)
-    who = [r for r, a in enumerate(received) if a is not None and a.ids]  # only the ranks that asked plan here
+    bound = shared_reads.EXCHANGE_BUFFER_BYTES if budget is None else budget
+    paths = [path for path, _ in sub.files]
+    designated = read_plan.designated_readers(paths, world) if shared else np.zeros(0, np.int64)
+    asking = [r for r, a in enumerate(received) if a is not None and a.ids]  # only these plan here, and the readers
+    who = sorted({*asking, *designated.tolist()})
+    at = {rank: i for i, rank in enumerate(who)}
     nothing: tuple[bytes, list[str]] = (np.zeros((k1 - k0 + 7) // 8, np.uint8).tobytes(), [])
-    their = [received[r] for r in who]
-    requests = [Request(nothing, a.ids, a.usable, a.boxes, a.types) for a in their]  # type: ignore[union-attr]
-    budgets = np.array([a.share for a in their], np.int64)  # type: ignore[union-attr]
+    empty = Ask(b"", b"", b"", 0, ())
+    their = [received[r] or empty for r in who]
+    requests = [Request(nothing, a.ids, a.usable, a.boxes, a.types) for a in their]
+    budgets = np.array([a.share for a in their], np.int64)
+    if len(designated):  # each reader's share of the bound it keeps for reading for others: its file's rows here
+        here = np.bincount(sub.file[sub.file >= 0], sub.length[sub.file >= 0], len(paths))
+        sizes = np.array([max(size_of(path), 1) for path in paths], np.float64)
+        reserve = (bound * _READ_FOR_OTHERS * np.minimum(here / sizes, 1.0)).astype(np.int64)
+        np.add.at(budgets, [at[r] for r in designated.tolist()], reserve)
+    readers = {path: at[r] for path, r in zip(paths, designated.tolist())}
     dims = max([1, *map(len, head.shapes)])  # the requests' boxes: load_parts.width of the whole outline
     names = np.array(who, np.int64)
     ids = np.concatenate([np.frombuffer(r.ids, np.int32) for r in requests] or [np.zeros(0, np.int32)])
@@ -172,7 +193,7 @@ def plan_keys(
     def wired(part: Part) -> tuple[bool, tuple | None]:  # as each is made: no asker's Part is kept
         return part.needed, _wire(part, r0, k0, names) if len(part.positions) or part.sends else None
 
-    made = load_parts.plan(sub, requests, shared, budgets, where, consistent=True, dims=dims, names=names, finish=wired)
+    made = load_parts.plan(sub, requests, shared, budgets, where, dims=dims, readers=readers, finish=wired)
     needed = any(flag for flag, _ in made)  # the same for every part
     quiet = Piece(None, needed, unwanted, agreed) if needed or unwanted or agreed else None
     pieces: list[Piece | None] = [quiet] * world
