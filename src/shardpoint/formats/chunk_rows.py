@@ -160,10 +160,6 @@ class Head:
         start = self.at(r0)
         return start, self.at(r1) - start
 
-    def byte_range(self, k0: int, k1: int) -> tuple[int, int]:
-        """``(start, length)`` in ``.chunk_rows`` of the rows of keys ``[k0, k1)``."""
-        return self.span(int(self.first_row[k0]), int(self.first_row[k1]))
-
     def size(self) -> int:
         """The bytes of ``.chunk_rows``."""
         return int(self.first_row[-1]) * record_dtype(self.width).itemsize + int(self.block_base[-1]) * _DIGEST
@@ -227,8 +223,7 @@ def _slabs(index: ChunkIndex) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     per[:] = np.bincount(row_key, along < step[row_key], keys).astype(np.int64)
     keeps = _keeps(index.first_row, dim, step, per, index.starts, index.sizes, 0, len(row_key))
     ndim = np.fromiter(map(len, index.shapes), np.int64, keys)
-    along = padded(index.shapes, ndim, index.starts.shape[1], 1)[np.arange(keys), dim]
-    keeps &= (step > 0) & (-(-along // np.maximum(step, 1)) <= counts) & (per <= counts)
+    keeps &= _slabs_fit(index.shapes, ndim, index.starts.shape[1], counts, dim, step, per)
     step[~keeps] = 0
     return dim, step, np.where(step > 0, per, 0)
 
@@ -324,11 +319,27 @@ def _check_slabs(
     """
     if (dim < 0).any() or (dim >= np.maximum(ndim, 1)).any():
         raise bad("a key's slabs cut a dimension its tensor does not have")
-    slabbed = step != 0
+    if (step < 0).any() or ((step != 0) & ~_slabs_fit(shapes, ndim, width, rows, dim, step, per)).any():
+        raise bad("a key's slabs are negative, or more or larger than its tensor and its rows hold")
+
+
+def _slabs_fit(
+    shapes: Sequence[tuple[int, ...]],
+    ndim: np.ndarray,
+    width: int,
+    rows: np.ndarray,
+    dim: np.ndarray,
+    step: np.ndarray,
+    per: np.ndarray,
+) -> np.ndarray:
+    """Per key: slabs no longer than the tensor along ``dim``, no more of them than rows, each with 1 to all rows.
+
+    The writer keeps only slabs that fit (:func:`_slabs`) and the reader refuses others
+    (:func:`_check_slabs`), so a box's slab number times its rows stays within the key's rows.
+    """
     along = padded(shapes, ndim, width, 1)[np.arange(len(dim)), dim]
     slabs = -(-along // np.maximum(step, 1))
-    if (step < 0).any() or (slabbed & ((per < 1) | (per > rows) | (step > along) | (slabs > rows))).any():
-        raise bad("a key's slabs are negative, or more or larger than its tensor and its rows hold")
+    return (step > 0) & (per >= 1) & (per <= rows) & (step <= along) & (slabs <= rows)
 
 
 def _count(found: dict[str, Any], field: str, below: int) -> int | None:

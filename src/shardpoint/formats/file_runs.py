@@ -59,16 +59,10 @@ class FileRuns(Sequence[File]):
     def __getitem__(self, i: slice) -> list[File]: ...
     def __getitem__(self, i: int | slice) -> File | list[File]:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+            return self.take(np.arange(len(self))[i])
         if not -len(self) <= i < len(self):
             raise IndexError(i)
-        i %= len(self)
-        run = int(np.searchsorted(self.ends, i, side="right"))
-        first = int(self.starts[run])
-        if first < 0:
-            return self.prefixes[run], self.descriptors[run]
-        number = first + i - int(self.ends[run] - self.counts[run])
-        return f"{self.prefixes[run]}{number}{self.suffixes[run]}", self.descriptors[run]
+        return self.take(np.array([i % len(self)]))[0]
 
     def take(self, numbers: np.ndarray) -> list[File]:
         """The files of ``numbers`` (ascending or not), built together: a planner's few hundred of 16,384."""

@@ -143,11 +143,11 @@ def designated_readers(paths: Sequence[str], world: int) -> np.ndarray:
     is in the job, else a hash of the name over the ranks; it reads the file's needed
     items for the others even where it needs none of them itself.
     """
-    writer = np.array([_writer_of(name) for name in paths] or [0], np.int64)[: len(paths)]
-    hashed = np.array(
-        [xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) % max(world, 1) for name in paths] or [0],
-        np.int64,
-    )[: len(paths)]
+    writer = np.fromiter(map(_writer_of, paths), np.int64, len(paths))
+    digest = xxhash.xxh3_64_intdigest
+    hashed = np.fromiter(
+        (digest(name.encode("utf-8", "surrogatepass")) % max(world, 1) for name in paths), np.int64, len(paths)
+    )
     return np.where((writer >= 0) & (writer < world), writer, hashed)
 
 

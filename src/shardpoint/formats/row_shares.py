@@ -72,20 +72,19 @@ def cut(head: Head, planners: np.ndarray, world: int) -> np.ndarray:
 
 def keys_of(head: Head, planner: int, world: int) -> tuple[int, int, int, int]:
     """``(k0, k1, r0, r1)``: the keys a planner plans (with rows in its share, or at home there) and its rows."""
-    r0, r1 = (int(x) for x in cut(head, np.array([planner, planner + 1]), world))
-    (k0,), (k1,) = key_ranges(head, np.array([planner]), world)
-    return int(k0), int(k1), r0, max(r0, r1)
+    k0, k1, r0, r1 = (int(column[0]) for column in key_ranges(head, np.array([planner]), world))
+    return k0, k1, r0, max(r0, r1)
 
 
-def key_ranges(head: Head, planners: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first and last + 1 key each of ``planners`` plans (:func:`keys_of`), vectorised for a rank's asks."""
+def key_ranges(head: Head, planners: np.ndarray, world: int) -> tuple[np.ndarray, ...]:
+    """Each of ``planners``' first and last + 1 key, and its rows (:func:`keys_of`), vectorised for a rank's asks."""
     r0, r1 = cut(head, planners, world), cut(head, planners + 1, world)
     homes = home(head, world)
     h0, h1 = np.searchsorted(homes, planners), np.searchsorted(homes, planners + 1)
     k0 = np.searchsorted(head.first_row, r0, side="right") - 1
     k1 = np.searchsorted(head.first_row, r1 - 1, side="right")
     rows = r1 > r0
-    return np.where(rows, np.minimum(h0, k0), h0), np.where(rows, np.maximum(h1, k1), h1)
+    return np.where(rows, np.minimum(h0, k0), h0), np.where(rows, np.maximum(h1, k1), h1), r0, r1
 
 
 def planners_of(head: Head, ids: np.ndarray, boxes: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:

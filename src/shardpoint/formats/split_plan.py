@@ -94,7 +94,7 @@ def asks(request: Request, head: Head, world: int, budget: int) -> list[Ask | No
     fan = hi - lo + 1
     box = np.repeat(np.arange(len(ids)), fan)
     planner = np.repeat(lo, fan) + np.arange(len(box)) - np.repeat(np.cumsum(fan) - fan, fan)
-    k0, k1 = row_shares.key_ranges(head, planner, world)
+    k0, k1, _, _ = row_shares.key_ranges(head, planner, world)
     local = ids[box] - k0
     held = (local >= 0) & (local < k1 - k0)  # not a planner between two whose shares are empty
     box, planner, local = box[held], planner[held], local[held].astype(np.int32)
