@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardpoint.formats.chunk_rows import Head
+from shardpoint.formats.read_plan import distinct
 
 __all__ = ["cut", "holders", "home", "key_ranges", "keys_of", "owner", "planners_of"]
 
@@ -120,5 +121,5 @@ def holders(head: Head, keys: np.ndarray, world: int) -> np.ndarray:
     for i, key in enumerate(np.asarray(keys, np.int64).tolist()):  # only the keys some planner found unasked
         first, after = int(head.first_row[key]), int(head.first_row[key + 1])
         if after > first and head.slab_step[key] > 0:
-            out[i] = len(np.unique(owner(head, np.arange(first, after, head.block_rows), world)))
+            out[i] = len(distinct(owner(head, np.arange(first, after, head.block_rows), world)))  # ascending
     return out
